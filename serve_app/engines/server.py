@@ -1,0 +1,53 @@
+"""What the prefill and decode deployments share: one engine, its stats, health and gauges."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from serve_app.engines.backends import EngineSpec
+from serve_app.engines.engine import EngineRunner
+from serve_app.metrics import engine_metrics
+from serve_app.protocol import EngineStats
+
+logger = logging.getLogger("pd_serve.engine")
+
+GAUGE_INTERVAL_S = 1.0
+
+
+class EngineServer:
+    """Base of ``Prefill`` and ``Decode``: a Serve replica that owns exactly one engine."""
+
+    async def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.runner = EngineRunner(spec.name, spec.role, spec.engine_kwargs)
+        # AsyncLLM binds its sockets to this event loop, so it is built here, not in a thread.
+        self.runner.start()
+        self._tags = {"role": spec.role, "engine": spec.name}
+        self._metrics = engine_metrics()
+        self._gauge_task = asyncio.get_running_loop().create_task(self._report_gauges())
+
+    async def _report_gauges(self) -> None:
+        while True:
+            stats = self.runner.stats()
+            self._metrics.inflight.set(stats.inflight, tags=self._tags)
+            self._metrics.kv_usage.set(stats.kv_usage, tags=self._tags)
+            await asyncio.sleep(GAUGE_INTERVAL_S)
+
+    async def stats(self) -> EngineStats:
+        return self.runner.stats()
+
+    async def abort(self, request_id: str) -> None:
+        await self.runner.abort(request_id)
+
+    async def check_health(self) -> None:
+        """Serve's health check: a dead engine core restarts the replica."""
+        await self.runner.check_health()
+
+    def __del__(self) -> None:
+        task = getattr(self, "_gauge_task", None)
+        if task is not None:
+            task.cancel()
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.shutdown()

@@ -1,0 +1,74 @@
+"""pd-serve's Ray Serve metrics (exported by Ray with the ``ray_`` prefix).
+
+Created lazily, once per process, because Ray metrics need a connected worker. Tags never use
+``replica`` (Ray Serve reserves it and adds its own ``deployment``/``replica``/``application``
+tags). Counters are declared without the ``_total`` suffix: Ray's Prometheus export adds it, so
+``requests`` is scraped as ``ray_pd_requests_total``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+ATTEMPT_BUCKETS = [1, 2, 3, 4, 6, 8, 16, 32]
+
+
+@dataclass(frozen=True)
+class RouterMetrics:
+    requests: Any  # pd_requests_total{route,status}
+    errors: Any  # pd_errors_total{kind}
+    ttft: Any  # pd_ttft_seconds{route}
+    tpot: Any  # pd_tpot_seconds{route}
+    kv_ready: Any  # pd_kv_ready_seconds
+    prefill: Any  # pd_prefill_seconds
+    recompute: Any  # pd_recompute_total
+    attempts: Any  # pd_attempts_per_request
+    wasted_tokens: Any  # pd_recompute_wasted_tokens_total
+    fallback: Any  # pd_fallback_total{reason}: disaggregated requests served colocated
+    router_inflight: Any  # pd_inflight{role="router",engine=<router>}
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    inflight: Any  # pd_inflight{role,engine}
+    kv_usage: Any  # pd_engine_kv_usage{role,engine}
+
+
+@functools.cache
+def _inflight_gauge() -> Any:
+    from ray.serve.metrics import Gauge
+
+    return Gauge("pd_inflight", "requests in flight, per engine (and per router)", tag_keys=("role", "engine"))
+
+
+@functools.cache
+def router_metrics() -> RouterMetrics:
+    from ray.serve.metrics import Counter, Histogram
+
+    return RouterMetrics(
+        requests=Counter("pd_requests", "client requests by route and HTTP status", tag_keys=("route", "status")),
+        errors=Counter("pd_errors", "errors by kind", tag_keys=("kind",)),
+        ttft=Histogram("pd_ttft_seconds", "time to first token", boundaries=LATENCY_BUCKETS, tag_keys=("route",)),
+        tpot=Histogram("pd_tpot_seconds", "time per output token after the first", boundaries=TPOT_BUCKETS, tag_keys=("route",)),
+        kv_ready=Histogram("pd_kv_ready_seconds", "decode admit -> KVReady", boundaries=LATENCY_BUCKETS),
+        prefill=Histogram("pd_prefill_seconds", "prefill call -> prefill done", boundaries=LATENCY_BUCKETS),
+        recompute=Counter("pd_recompute", "attempts ended by a decode engine's recompute"),
+        attempts=Histogram("pd_attempts_per_request", "attempts per finished request", boundaries=ATTEMPT_BUCKETS),
+        wasted_tokens=Counter("pd_recompute_wasted_tokens", "tokens whose KV an ended attempt discarded"),
+        fallback=Counter("pd_fallback", "disaggregated attempts served colocated", tag_keys=("reason",)),
+        router_inflight=_inflight_gauge(),
+    )
+
+
+@functools.cache
+def engine_metrics() -> EngineMetrics:
+    from ray.serve.metrics import Gauge
+
+    return EngineMetrics(
+        inflight=_inflight_gauge(),
+        kv_usage=Gauge("pd_engine_kv_usage", "KV cache usage, 0..1", tag_keys=("role", "engine")),
+    )

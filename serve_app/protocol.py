@@ -1,0 +1,99 @@
+"""Plain values that cross Ray handles between the router and the engines.
+
+Only token ids travel: the router tokenizes once and the engines never see text prompts. The
+engine streams lists of events (several engine steps coalesced into one Ray item, since each
+streamed item costs about a millisecond on a small host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["prefill", "decode"]
+
+# The stop_reason a decode engine's recompute scheduler sets when it gives a request back instead
+# of preempting it locally (vllm-ascend's RecomputeScheduler uses the same string).
+RECOMPUTED = "recomputed"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives at its position, as
+    ``(token_id, logprob)`` pairs best first. Ids only: the router turns them into strings."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class EngineRequest:
+    """One attempt's work for one engine.
+
+    ``sampling_params`` is a ``vllm.SamplingParams`` (pickled through the handle); ``request_id``
+    is the attempt id, unique per attempt and never reused, because an engine refuses a
+    duplicate id and a late abort must not hit a later attempt.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class KVReady:
+    """First event of a disaggregated decode stream: the decode engine allocated KV blocks and its
+    connector posted its KV parameters (``params``) to the metaserver relay."""
+
+    params: dict[str, Any]
+
+
+@dataclass
+class TokenDelta:
+    """New output of one engine request since the previous delta.
+
+    No text: engines run with ``detokenize=False`` and the router detokenizes the whole response
+    with one decode stream across attempts, so a recompute can never change the text.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Prompt tokens the engine did not compute itself (prefix cache or KV received from prefill);
+    # set on the first delta only.
+    num_cached_tokens: int | None = None
+
+
+@dataclass
+class PrefillResult:
+    """What a prefill engine reports when its part of a disaggregated attempt is done."""
+
+    request_id: str
+    num_prompt_tokens: int
+    finish_reason: str | None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+EngineEvent = KVReady | TokenDelta
+
+
+@dataclass
+class EngineStats:
+    """Cheap load report of one engine, polled by the router's balancer."""
+
+    name: str
+    role: Role
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    kv_capacity_tokens: int = 0
+    inflight: int = 0
+    healthy: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return round(self.kv_usage * self.kv_capacity_tokens)

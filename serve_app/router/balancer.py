@@ -1,0 +1,65 @@
+"""Load scoring and engine selection (pure: no Ray, no I/O).
+
+The router keeps integer counters of what it has sent to each engine and not yet got back
+(reserved tokens: prompt + max_tokens for decode, prompt tokens for prefill) and merges in what
+each engine last reported about itself (KV cache usage). Scores are integers, so counters never
+drift the way float scores added and subtracted for every request do.
+
+Decode score: reserved tokens of this router + KV tokens the engine reports in use.
+Prefill score: prompt tokens queued by this router + requests the engine reports waiting.
+Ties rotate (the ``turn`` argument), so equal engines share work instead of index 0 taking all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from serve_app.protocol import Role
+
+
+@dataclass
+class EngineLoad:
+    """The router's view of one engine."""
+
+    name: str
+    role: Role
+    reserved_tokens: int = 0  # this router's outstanding work on the engine
+    inflight: int = 0  # this router's outstanding requests on the engine
+    kv_used_tokens: int = 0  # reported by the engine
+    kv_capacity_tokens: int = 0  # reported by the engine
+    num_waiting: int = 0  # reported by the engine
+    healthy: bool = False  # until its first stats answer: a starting engine takes no work
+
+
+ScoreFn = Callable[[EngineLoad], int]
+
+
+def decode_score(load: EngineLoad) -> int:
+    return load.reserved_tokens + load.kv_used_tokens
+
+
+def prefill_score(load: EngineLoad) -> int:
+    return load.reserved_tokens + load.num_waiting
+
+
+def select(
+    loads: Iterable[EngineLoad],
+    score: ScoreFn,
+    *,
+    turn: int = 0,
+    avoid: Iterable[str] = (),
+) -> EngineLoad | None:
+    """The healthy engine with the lowest score, preferring those not in ``avoid``.
+
+    ``avoid`` is a preference, not a ban: when every healthy engine is avoided (one decode
+    engine, say), the best of them is still chosen. Returns None when no engine is healthy.
+    """
+    healthy = [load for load in loads if load.healthy]
+    if not healthy:
+        return None
+    avoided = set(avoid)
+    preferred = [load for load in healthy if load.name not in avoided] or healthy
+    best = min(score(load) for load in preferred)
+    tied = [load for load in preferred if score(load) == best]
+    return tied[turn % len(tied)]

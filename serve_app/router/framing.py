@@ -1,0 +1,234 @@
+"""OpenAI response framing: stream chunks, the final response, SSE encoding.
+
+One ``ResponseFramer`` per client response, whatever the number of attempts behind it: it owns
+the response id and ``created``, sends the chat role delta exactly once, and never shows an
+attempt boundary (there is no ``recomputed`` chunk: the state machine swallows it). The objects
+are vLLM's OpenAI response models, dumped to plain dicts, so the HTTP API and the handle API send
+the same events.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from serve_app.protocol import TokenLogprob
+from serve_app.router.openai import ParsedRequest
+from serve_app.router.recompute import Emission
+
+TokenText = Callable[[int], str]
+
+
+def sse(event: dict[str, Any] | str) -> str:
+    """One server-sent event; every event is framed here and nowhere else."""
+    data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+class ResponseFramer:
+    def __init__(self, request: ParsedRequest, token_text: TokenText) -> None:
+        self.request = request
+        self.token_text = token_text
+        self._role_sent = False
+        self._text_offset = 0
+
+    # ------------------------------------------------------------------ streaming
+    def chunks(self, emission: Emission) -> list[dict[str, Any]]:
+        """The stream chunks for one step (none when it carries nothing the client can see)."""
+        out: list[dict[str, Any]] = []
+        visible = bool(emission.text or emission.token_ids or emission.finish_reason)
+        if self.request.route == "chat":
+            # The role delta opens the first chunk that shows something; an error before any
+            # token sends none, so the client gets a plain error response instead.
+            if visible and not self._role_sent:
+                self._role_sent = True
+                out.append(self._chat_chunk({"role": "assistant", "content": ""}, None, None, None))
+            if visible:
+                delta = {"content": emission.text} if emission.text or not emission.finish_reason else {}
+                out.append(
+                    self._chat_chunk(
+                        delta,
+                        self._chat_logprobs(emission.logprobs),
+                        emission.finish_reason,
+                        emission.stop_reason,
+                        emission.token_ids,
+                    )
+                )
+        elif visible:
+            out.append(self._completion_chunk(emission))
+        return out
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
+        from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse
+
+        model = ChatCompletionStreamResponse if self.request.route == "chat" else CompletionStreamResponse
+        chunk = model(
+            id=self.request.response_id,
+            created=self.request.created,
+            model=self.request.model,
+            choices=[],
+            usage=usage(prompt_tokens, completion_tokens),
+        )
+        return _dump(chunk)
+
+    def _completion_chunk(self, emission: Emission) -> dict[str, Any]:
+        from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+
+        choice = CompletionResponseStreamChoice(
+            index=0,
+            text=emission.text,
+            logprobs=self._completion_logprobs(emission.logprobs),
+            finish_reason=emission.finish_reason,
+            stop_reason=emission.stop_reason,
+            token_ids=list(emission.token_ids) if self.request.return_token_ids else None,
+        )
+        self._text_offset += len(emission.text)
+        chunk = CompletionStreamResponse(
+            id=self.request.response_id, created=self.request.created, model=self.request.model, choices=[choice]
+        )
+        return _dump(chunk, keep_choice_keys=("finish_reason",))
+
+    def _chat_chunk(
+        self,
+        delta: dict[str, Any],
+        logprobs: Any,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        from vllm.entrypoints.generate.base.protocol import DeltaMessage
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponseStreamChoice,
+            ChatCompletionStreamResponse,
+        )
+
+        choice = ChatCompletionResponseStreamChoice(
+            index=0,
+            delta=DeltaMessage(**delta),
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            token_ids=list(token_ids) if token_ids and self.request.return_token_ids else None,
+        )
+        chunk = ChatCompletionStreamResponse(
+            id=self.request.response_id, created=self.request.created, model=self.request.model, choices=[choice]
+        )
+        return _dump(chunk, keep_choice_keys=("finish_reason",))
+
+    # ------------------------------------------------------------------ final response
+    def final(
+        self,
+        *,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        prompt_tokens: int,
+    ) -> dict[str, Any]:
+        use = usage(prompt_tokens, len(token_ids))
+        ids = list(token_ids) if self.request.return_token_ids else None
+        if self.request.route == "chat":
+            from vllm.entrypoints.openai.chat_completion.protocol import (
+                ChatCompletionResponse,
+                ChatCompletionResponseChoice,
+                ChatMessage,
+            )
+
+            choice = ChatCompletionResponseChoice(
+                index=0,
+                message=ChatMessage(role="assistant", content=text),
+                logprobs=self._chat_logprobs(logprobs),
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                token_ids=ids,
+            )
+            response: Any = ChatCompletionResponse(
+                id=self.request.response_id,
+                created=self.request.created,
+                model=self.request.model,
+                choices=[choice],
+                usage=use,
+            )
+        else:
+            from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
+
+            self._text_offset = 0
+            choice = CompletionResponseChoice(
+                index=0,
+                text=text,
+                logprobs=self._completion_logprobs(logprobs),
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+                token_ids=ids,
+            )
+            response = CompletionResponse(
+                id=self.request.response_id,
+                created=self.request.created,
+                model=self.request.model,
+                choices=[choice],
+                usage=use,
+            )
+        return _dump(response, keep_choice_keys=("finish_reason", "stop_reason", "logprobs"))
+
+    # ------------------------------------------------------------------ logprobs
+    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None) -> Any:
+        if logprobs is None or self.request.logprobs is None:
+            return None
+        from vllm.entrypoints.openai.completion.protocol import CompletionLogProbs
+
+        out = CompletionLogProbs()
+        offset = self._text_offset
+        for lp in logprobs:
+            token = self.token_text(lp.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self.token_text(tid): value for tid, value in lp.top} or None)
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> Any:
+        if logprobs is None or self.request.logprobs is None:
+            return None
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionLogProb,
+            ChatCompletionLogProbs,
+            ChatCompletionLogProbsContent,
+        )
+
+        content = []
+        for lp in logprobs:
+            token = self.token_text(lp.token_id)
+            top = [
+                ChatCompletionLogProb(token=self.token_text(tid), logprob=value, bytes=list(self.token_text(tid).encode()))
+                for tid, value in lp.top[: self.request.logprobs]
+            ]
+            content.append(
+                ChatCompletionLogProbsContent(token=token, logprob=lp.logprob, bytes=list(token.encode()), top_logprobs=top)
+            )
+        return ChatCompletionLogProbs(content=content)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Any:
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def _dump(model: Any, keep_choice_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """JSON-ready dict without vLLM's unset extras, keeping the keys OpenAI always sends."""
+    data = model.model_dump(mode="json", exclude_none=True)
+    for choice in data.get("choices", []):
+        for key in keep_choice_keys:
+            choice.setdefault(key, None)
+    return data

@@ -1,0 +1,312 @@
+"""OpenAI request validation and prompt building: the chat template and tokenization, once.
+
+Requests are parsed with vLLM's own OpenAI protocol models (``CompletionRequest``,
+``ChatCompletionRequest``) and turned into vLLM ``SamplingParams`` by their own
+``to_sampling_params``, so the accepted fields, defaults and checks are vLLM's. On top of those,
+this module rejects what pd-serve does not support (with a 400 naming the field, rather than
+silently ignoring it) and checks lengths against the model, so that every bad request is refused
+before any engine is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Route = Literal["completions", "chat"]
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+class OpenAIError(Exception):
+    """An error the client receives as an OpenAI error body with this status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
+
+
+@dataclass
+class ModelContext:
+    """What validation needs to know about the served model."""
+
+    name: str
+    aliases: frozenset[str]
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+
+    def accepts(self, model: str | None) -> bool:
+        return model is None or model == self.name or model in self.aliases
+
+
+@dataclass
+class ParsedRequest:
+    route: Route
+    response_id: str
+    created: int
+    model: str
+    prompt_token_ids: list[int]
+    # Template for every attempt's engine request: stop strings removed (the router matches
+    # them), DELTA output; max_tokens is set per attempt.
+    sampling_params: Any
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    stops: list[str]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    min_tokens: int
+    logprobs: int | None  # top-k per token; None when not requested
+    return_token_ids: bool
+
+
+def decode_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"Request body is not valid JSON: {exc}") from None
+
+
+def route_of(body: Any) -> Route:
+    """For the handle API, which has no URL: a request with ``messages`` is a chat request."""
+    return "chat" if isinstance(body, dict) and "messages" in body else "completions"
+
+
+def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    if route == "chat":
+        if "messages" not in body:
+            raise bad_request("'messages' is a required property", param="messages")
+        if not isinstance(body["messages"], list) or not body["messages"]:
+            raise bad_request("'messages' must be a non-empty list of messages", param="messages")
+    elif "prompt" not in body:
+        raise bad_request("'prompt' is a required property", param="prompt")
+
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model")
+    if not ctx.accepts(model):
+        raise OpenAIError(
+            404, f"The model '{model}' does not exist; this server serves '{ctx.name}'", param="model", code="model_not_found"
+        )
+
+    request = _validate(route, body)
+    _reject_unsupported(route, request)
+
+    if route == "chat":
+        prompt_token_ids = _chat_prompt_ids(request, ctx)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        prompt_token_ids = _completion_prompt_ids(request, ctx)
+        max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
+        logprobs = request.logprobs
+    _check_lengths(prompt_token_ids, max_tokens, max_tokens_param, "messages" if route == "chat" else "prompt", ctx)
+    if max_tokens is None:
+        max_tokens = ctx.max_model_len - len(prompt_token_ids)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+
+    try:
+        params = request.to_sampling_params(max_tokens, {})
+    except _client_errors() as exc:
+        raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
+
+    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    from vllm.sampling_params import RequestOutputKind
+
+    params.stop = []
+    params.output_kind = RequestOutputKind.DELTA
+    params.detokenize = False
+    params.logprobs = logprobs
+    prefix = "chatcmpl" if route == "chat" else "cmpl"
+    stream_options = request.stream_options
+    return ParsedRequest(
+        route=route,
+        response_id=f"{prefix}-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=model or ctx.name,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=params,
+        max_tokens=max_tokens,
+        stream=bool(request.stream),
+        include_usage=bool(stream_options and stream_options.include_usage),
+        stops=stops,
+        include_stop_str_in_output=bool(request.include_stop_str_in_output),
+        skip_special_tokens=bool(request.skip_special_tokens),
+        min_tokens=int(request.min_tokens or 0),
+        logprobs=logprobs,
+        return_token_ids=bool(request.return_token_ids),
+    )
+
+
+def _validate(route: Route, body: dict[str, Any]) -> Any:
+    from pydantic import ValidationError
+
+    if route == "chat":
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Model
+    else:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Model  # type: ignore[assignment]
+    try:
+        return Model.model_validate(body)
+    except ValidationError as exc:  # (a subclass of ValueError: caught first)
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        message = "; ".join(_describe(err) for err in errors[:5]) or str(exc)
+        raise bad_request(message, param=param) from None
+    except _client_errors() as exc:
+        raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
+
+
+def _client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a bad request: its validators raise VLLMValidationError (not a
+    ValueError) straight through pydantic, and plain ValueErrors as pydantic errors."""
+    from vllm.exceptions import VLLMClientError
+
+    return (ValueError, TypeError, VLLMClientError)
+
+
+def _describe(err: dict[str, Any]) -> str:
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    msg = err.get("msg", "invalid value")
+    return f"{where}: {msg}" if where else msg
+
+
+def _reject_unsupported(route: Route, request: Any) -> None:
+    def refuse(param: str, what: str) -> None:
+        raise bad_request(f"{what} is not supported by this server", param=param)
+
+    if request.n != 1:
+        refuse("n", f"n={request.n} (only n=1)")
+    if request.use_beam_search:
+        refuse("use_beam_search", "Beam search")
+    if request.prompt_logprobs is not None:
+        refuse("prompt_logprobs", "prompt_logprobs")
+    if request.structured_outputs is not None or request.response_format is not None:
+        # A grammar restarts from scratch on every attempt, which would break recompute.
+        refuse("response_format", "Structured output (response_format / structured_outputs)")
+    if route == "completions":
+        if request.echo:
+            refuse("echo", "echo")
+        if request.suffix is not None:
+            refuse("suffix", "suffix")
+        if request.prompt_embeds is not None:
+            refuse("prompt_embeds", "prompt_embeds")
+    else:
+        if request.tools:
+            refuse("tools", "Tool calling")
+        if request.chat_template is not None:
+            refuse("chat_template", "A per-request chat_template")
+
+
+def _completion_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"One prompt per request is supported, got {len(prompt)}", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = list(ctx.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens))
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+        if bad:
+            raise bad_request(f"Token id {bad[0]} is out of range [0, {ctx.vocab_size})", param="prompt")
+    if not ids:
+        raise bad_request("The prompt is empty", param="prompt")
+    return ids
+
+
+def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
+    conversation = []
+    for i, message in enumerate(request.messages):
+        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
+        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+        if not isinstance(role, str):
+            raise bad_request(f"messages[{i}].role must be a string", param=f"messages.{i}.role")
+        conversation.append({"role": role, "content": _text_content(content, i)})
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            **(request.chat_template_kwargs or {}),
+        )
+    except Exception as exc:  # a template error is the request's fault (bad roles, kwargs)
+        raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
+    # The template writes the special tokens (BOS) itself.
+    ids = list(ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
+    if not ids:
+        raise bad_request("The rendered prompt is empty", param="messages")
+    return ids
+
+
+def _text_content(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            part_type = part.get("type") if isinstance(part, dict) else None
+            if part_type != "text":
+                raise bad_request(
+                    f"messages[{i}]: content parts of type '{part_type}' are not supported (text only)",
+                    param=f"messages.{i}.content",
+                )
+            texts.append(str(part.get("text", "")))
+        return "\n".join(texts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", param=f"messages.{i}.content")
+
+
+def _check_lengths(
+    prompt_token_ids: list[int], max_tokens: int | None, param: str, prompt_param: str, ctx: ModelContext
+) -> None:
+    n = len(prompt_token_ids)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{param} must be at least 1, got {max_tokens}", param=param)
+    if n >= ctx.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, your prompt is "
+            f"{n} tokens, which leaves no room for output.",
+            param=prompt_param,
+        )
+    if max_tokens is not None and n + max_tokens > ctx.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+            f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). Please reduce "
+            f"the prompt or {param}.",
+            param=param,
+        )

@@ -1,0 +1,268 @@
+"""The recompute-retry state machine of one client request (pure: no Ray, no I/O).
+
+A client request is served by one or more *attempts*. An attempt ends early when its decode
+engine gives the request back (``stop_reason == "recomputed"``, when it ran out of KV blocks),
+when its engine dies or fails, or when a deadline passes; the request then resumes with a new
+attempt whose prompt is the original prompt plus every token generated so far and whose budget
+is what is left of ``max_tokens``. Budgets are counted in tokens, never in chunks, and tokens are
+never re-tokenized from text, so greedy output with recomputes equals greedy output without them,
+token for token.
+
+Phases: ``dispatch -> awaiting_kv -> prefilling -> decoding -> finished`` for a disaggregated
+attempt (a colocated attempt goes ``dispatch -> decoding``), and ``decoding -> dispatch`` on a
+retry. The caller executes each attempt and feeds what happens back in; the machine answers with
+what to release to the client and whether to continue, retry or finish.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from serve_app.protocol import RECOMPUTED, TokenDelta, TokenLogprob
+from serve_app.router.text import StopMatcher, TextStream
+
+# Finish reasons of an engine request that mean "this attempt failed", not "the response ended".
+RETRYABLE_FINISH_REASONS = frozenset({"abort", "error"})
+
+
+class Phase(str, enum.Enum):
+    DISPATCH = "dispatch"
+    AWAITING_KV = "awaiting_kv"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+class Action(str, enum.Enum):
+    CONTINUE = "continue"  # keep reading this attempt
+    RETRY = "retry"  # end this attempt (abort what it holds) and start the next one
+    FINISH = "finish"  # the response is complete (or failed); abort what the attempt holds
+
+
+@dataclass(frozen=True)
+class AttemptPlan:
+    attempt_id: str
+    number: int  # 1-based
+    prompt_token_ids: list[int]
+    max_tokens: int
+    disaggregated: bool
+    avoid: frozenset[str] = frozenset()  # engines (either role) not preferred: the last one that failed
+
+
+@dataclass
+class Emission:
+    """What the client receives from one step: new text, the tokens behind it, and the end."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None  # the response failed; the message for the client
+    error_status: int = 500  # and the HTTP status that failure maps to
+
+    @property
+    def empty(self) -> bool:
+        return not (self.text or self.token_ids or self.finish_reason or self.error)
+
+
+@dataclass
+class Step:
+    action: Action
+    emission: Emission
+    wasted_tokens: int = 0  # tokens whose KV an ended attempt threw away (prompt + its output)
+    recomputed: bool = False  # the attempt ended because its decode engine recomputed
+
+
+class RecomputeStateMachine:
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        max_attempts: int,
+        text: TextStream,
+        stops: StopMatcher | None = None,
+        min_tokens: int = 0,
+        logprobs: bool = False,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.max_attempts = max_attempts
+        self.min_tokens = min_tokens
+        self._text = text
+        self._stops = stops or StopMatcher([])
+        self._want_logprobs = logprobs
+
+        self.phase = Phase.DISPATCH
+        self.attempts = 0
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob] = []
+        self.text = ""  # released so far
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.current: AttemptPlan | None = None
+        self.recomputes = 0
+        self.wasted_tokens = 0
+        self._attempt_tokens = 0
+        self._last_engine: str | None = None
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    # ------------------------------------------------------------------ transitions
+    def start_attempt(self, disaggregated: bool) -> AttemptPlan:
+        """dispatch -> awaiting_kv (disaggregated) or decoding (colocated)."""
+        self._expect(Phase.DISPATCH)
+        assert self.remaining > 0 and self.attempts < self.max_attempts
+        self.attempts += 1
+        self._attempt_tokens = 0
+        avoid = frozenset({self._last_engine}) if self._last_engine else frozenset()
+        self.current = AttemptPlan(
+            attempt_id=f"{self.request_id}-{self.attempts}",
+            number=self.attempts,
+            prompt_token_ids=self.prompt_token_ids + self.output_token_ids,
+            max_tokens=self.remaining,
+            disaggregated=disaggregated,
+            avoid=avoid,
+        )
+        self.phase = Phase.AWAITING_KV if disaggregated else Phase.DECODING
+        return self.current
+
+    def kv_ready(self) -> None:
+        """awaiting_kv -> prefilling: the decode engine holds blocks; prefill may start."""
+        self._expect(Phase.AWAITING_KV)
+        self.phase = Phase.PREFILLING
+
+    def prefill_done(self) -> None:
+        """prefilling -> decoding (tokens may already have moved it there)."""
+        if self.phase is Phase.PREFILLING:
+            self.phase = Phase.DECODING
+
+    def on_delta(self, delta: TokenDelta, engine: str | None = None) -> Step:
+        """Tokens (and maybe the end) of the current attempt's decode stream."""
+        if self.phase is Phase.FINISHED:
+            return Step(Action.FINISH, Emission())
+        if self.phase is Phase.DISPATCH:
+            raise RuntimeError(f"{self.request_id}: tokens without an attempt")
+        # A decode engine that had the whole prompt cached locally needs no KV and sends tokens
+        # without a KVReady; any token means the attempt is decoding.
+        self.phase = Phase.DECODING
+        if engine is not None:
+            self._last_engine = engine
+        emission = Emission(logprobs=[] if self._want_logprobs else None)
+        for i, token_id in enumerate(delta.token_ids):
+            if self.remaining <= 0:
+                break
+            self.output_token_ids.append(token_id)
+            self._attempt_tokens += 1
+            emission.token_ids.append(token_id)
+            if self._want_logprobs and delta.logprobs is not None and i < len(delta.logprobs):
+                self.output_logprobs.append(delta.logprobs[i])
+                assert emission.logprobs is not None
+                emission.logprobs.append(delta.logprobs[i])
+            piece = self._text.push(token_id)
+            emission.text += self._stops.feed(piece, can_stop=self.completion_tokens >= self.min_tokens)
+            if self._stops.matched is not None:
+                return self._finish(emission, "stop", self._stops.matched)
+        if delta.finish_reason is None:
+            if self.remaining <= 0:
+                # The engine was asked for exactly the remaining budget; its end is implied.
+                return self._finish(emission, "length", None, flush=True)
+            self._release(emission)
+            return Step(Action.CONTINUE, emission)
+        if delta.stop_reason == RECOMPUTED:
+            self.recomputes += 1
+            step = self._retry_or_fail(emission, "recomputed by the decode engine")
+            step.recomputed = True
+            return step
+        if delta.finish_reason in RETRYABLE_FINISH_REASONS:
+            return self._retry_or_fail(emission, f"engine finished the attempt with '{delta.finish_reason}'")
+        return self._finish(emission, delta.finish_reason, delta.stop_reason, flush=True)
+
+    def on_attempt_failed(
+        self, reason: str, retryable: bool = True, engine: str | None = None, status: int = 500
+    ) -> Step:
+        """The attempt broke outside the token stream (dead replica, prefill error, deadline)."""
+        if self.phase is Phase.FINISHED:
+            return Step(Action.FINISH, Emission())
+        if engine is not None:
+            self._last_engine = engine
+        if not retryable:
+            return self._fail(Emission(), reason, status)
+        return self._retry_or_fail(Emission(), reason, status)
+
+    def fail(self, reason: str, status: int = 500) -> Step:
+        """End the response with an error whatever the phase (e.g. the request deadline)."""
+        if self.phase is Phase.FINISHED:
+            return Step(Action.FINISH, Emission())
+        return self._fail(Emission(), reason, status)
+
+    # ------------------------------------------------------------------ internals
+    def _retry_or_fail(self, emission: Emission, reason: str, status: int = 500) -> Step:
+        wasted = self._attempt_waste()
+        self.wasted_tokens += wasted
+        if self.remaining <= 0:
+            step = self._finish(emission, "length", None, flush=True)
+            step.wasted_tokens = wasted
+            return step
+        if self.attempts >= self.max_attempts:
+            step = self._fail(emission, f"gave up after {self.attempts} attempts (last: {reason})", status)
+            step.wasted_tokens = wasted
+            return step
+        self.phase = Phase.DISPATCH
+        self.current = None
+        self._release(emission)
+        return Step(Action.RETRY, emission, wasted_tokens=wasted)
+
+    def _attempt_waste(self) -> int:
+        if self.current is None:
+            return 0
+        return len(self.current.prompt_token_ids) + self._attempt_tokens
+
+    def _release(self, emission: Emission) -> None:
+        self.text += emission.text
+
+    def _finish(self, emission: Emission, reason: str | None, stop_reason: int | str | None, flush: bool = False) -> Step:
+        if flush:
+            emission.text += self._stops.flush()
+        emission.finish_reason = reason
+        emission.stop_reason = stop_reason
+        self._release(emission)
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.phase = Phase.FINISHED
+        return Step(Action.FINISH, emission)
+
+    def _fail(self, emission: Emission, reason: str, status: int = 500) -> Step:
+        emission.error = reason
+        emission.error_status = status
+        self._release(emission)
+        self.error = reason
+        self.phase = Phase.FINISHED
+        return Step(Action.FINISH, emission)
+
+    def _expect(self, phase: Phase) -> None:
+        if self.phase is not phase:
+            raise RuntimeError(f"{self.request_id}: expected phase {phase.value}, in {self.phase.value}")

@@ -1,0 +1,177 @@
+"""One client request end to end: attempts through the executor, steps through the state
+machine, and the client's events (stream chunks or one final response) out.
+
+The HTTP routes and the handle API both sit on top of this, so both send the same events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any
+
+from serve_app.metrics import RouterMetrics
+from serve_app.router.cdcp import AttemptExecutor, AttemptFailed, DeltaEvent, KVReadyEvent, PrefillDoneEvent
+from serve_app.router.framing import ResponseFramer
+from serve_app.router.openai import ParsedRequest, error_body
+from serve_app.router.recompute import Action, Emission, RecomputeStateMachine, Step
+from serve_app.router.text import DecodeTextStream, StopMatcher
+
+logger = logging.getLogger("pd_serve.router")
+
+ERROR_TYPES = {502: "engine_error", 503: "service_unavailable", 504: "timeout"}
+
+
+class ResponseSession:
+    def __init__(
+        self,
+        request: ParsedRequest,
+        *,
+        executor: AttemptExecutor,
+        choose_disaggregated: Callable[[], bool],
+        tokenizer: Any,
+        token_text: Callable[[int], str],
+        max_attempts: int,
+        request_timeout_s: float,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.request = request
+        self.executor = executor
+        self.choose_disaggregated = choose_disaggregated
+        self.metrics = metrics
+        self.request_timeout_s = request_timeout_s
+        self.machine = RecomputeStateMachine(
+            request_id=request.response_id,
+            prompt_token_ids=request.prompt_token_ids,
+            max_tokens=request.max_tokens,
+            max_attempts=max_attempts,
+            text=DecodeTextStream(tokenizer, request.prompt_token_ids, request.skip_special_tokens),
+            stops=StopMatcher(request.stops, request.include_stop_str_in_output),
+            min_tokens=request.min_tokens,
+            logprobs=request.logprobs is not None,
+        )
+        self.framer = ResponseFramer(request, token_text)
+        self.status = 200
+        self._started = time.monotonic()
+        self._first_token_at: float | None = None
+        self._last_token_at: float | None = None
+
+    # ------------------------------------------------------------------ client-facing
+    async def stream_events(self) -> AsyncIterator[dict[str, Any]]:
+        """Stream chunks; a failure ends the stream with an error event."""
+        async for emission in self.emissions():
+            for chunk in self.framer.chunks(emission):
+                yield chunk
+            if emission.error is not None:
+                yield self._error(emission)
+                return
+        if self.request.include_usage:
+            yield self.framer.usage_chunk(self.machine.prompt_tokens, self.machine.completion_tokens)
+
+    async def final_response(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of a non-streaming request."""
+        async for emission in self.emissions():
+            if emission.error is not None:
+                return self.status, self._error(emission)
+        m = self.machine
+        return 200, self.framer.final(
+            text=m.text,
+            token_ids=m.output_token_ids,
+            logprobs=m.output_logprobs if self.request.logprobs is not None else None,
+            finish_reason=m.finish_reason,
+            stop_reason=m.stop_reason,
+            prompt_tokens=m.prompt_tokens,
+        )
+
+    def _error(self, emission: Emission) -> dict[str, Any]:
+        self.status = emission.error_status
+        return error_body(
+            emission.error or "internal error",
+            type=ERROR_TYPES.get(emission.error_status, "internal_error"),
+            code=emission.error_status,
+        )
+
+    # ------------------------------------------------------------------ attempts
+    async def emissions(self) -> AsyncIterator[Emission]:
+        machine = self.machine
+        deadline = self._started + self.request_timeout_s
+        try:
+            while not machine.finished:
+                plan = machine.start_attempt(self.choose_disaggregated())
+                logger.info(
+                    "request %s attempt %d/%d id=%s %s prompt=%d budget=%d",
+                    machine.request_id,
+                    plan.number,
+                    machine.max_attempts,
+                    plan.attempt_id,
+                    "disaggregated" if plan.disaggregated else "colocated",
+                    len(plan.prompt_token_ids),
+                    plan.max_tokens,
+                )
+                async with aclosing(self.executor.run(plan, self.request.sampling_params)) as events:
+                    while True:
+                        step = await self._next_step(events, deadline)
+                        if step is None:
+                            continue
+                        if not step.emission.empty:
+                            self._note_tokens(step.emission)
+                            yield step.emission
+                        if step.action is not Action.CONTINUE:
+                            break
+                self._note_outcome(plan.attempt_id, step)
+        finally:
+            self._observe_end()
+
+    async def _next_step(self, events: AsyncIterator[Any], deadline: float) -> Step | None:
+        """The state machine's answer to the attempt's next event (None: nothing to answer)."""
+        machine = self.machine
+        try:
+            event = await asyncio.wait_for(anext(events), max(deadline - time.monotonic(), 0.001))
+        except StopAsyncIteration:
+            return machine.on_attempt_failed("the attempt ended without an outcome", retryable=True)
+        except asyncio.TimeoutError:
+            self.metrics.errors.inc(tags={"kind": "request_timeout"})
+            return machine.fail(f"request timed out after {self.request_timeout_s:.0f}s", status=504)
+        if isinstance(event, KVReadyEvent):
+            machine.kv_ready()
+            return None
+        if isinstance(event, PrefillDoneEvent):
+            machine.prefill_done()
+            return None
+        if isinstance(event, DeltaEvent):
+            return machine.on_delta(event.delta, event.engine)
+        assert isinstance(event, AttemptFailed)
+        logger.warning("request %s attempt %d failed: %s", machine.request_id, machine.attempts, event.reason)
+        return machine.on_attempt_failed(event.reason, event.retryable, event.engine, event.status)
+
+    def _note_outcome(self, attempt_id: str, step: Step) -> None:
+        if step.recomputed:
+            self.metrics.recompute.inc()
+            self.metrics.wasted_tokens.inc(step.wasted_tokens)
+        if step.action is Action.RETRY:
+            logger.info(
+                "request %s attempt %s ended (%s) with %d output tokens so far; resuming",
+                self.machine.request_id,
+                attempt_id,
+                "recomputed" if step.recomputed else "failed",
+                self.machine.completion_tokens,
+            )
+
+    # ------------------------------------------------------------------ metrics
+    def _note_tokens(self, emission: Emission) -> None:
+        if emission.token_ids:
+            now = time.monotonic()
+            if self._first_token_at is None:
+                self._first_token_at = now
+                self.metrics.ttft.observe(now - self._started, tags={"route": self.request.route})
+            self._last_token_at = now
+
+    def _observe_end(self) -> None:
+        machine = self.machine
+        self.metrics.attempts.observe(machine.attempts)
+        n = machine.completion_tokens
+        if n > 1 and self._first_token_at is not None and self._last_token_at is not None:
+            self.metrics.tpot.observe((self._last_token_at - self._first_token_at) / (n - 1), tags={"route": self.request.route})

@@ -1,0 +1,102 @@
+"""Detokenization and stop strings for one client response, across all its attempts.
+
+The router owns the response text: engines stream token ids only. One decode stream, primed with
+the original prompt, turns every output token into text whichever attempt produced it, so a
+recompute cannot change a byte of the text (a UTF-8 character split across two attempts decodes
+exactly as it would in one). Stop strings are matched here for the same reason: a stop string
+can begin in one attempt and end in the next, and no engine sees both halves.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+logger = logging.getLogger("pd_serve.router")
+
+_INVALID_PREFIX = "Invalid prefix encountered"
+
+
+class TextStream(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+
+class DecodeTextStream:
+    """Incremental detokenizer over a Hugging Face fast tokenizer (tokenizers' DecodeStream)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._new_stream = lambda ids=None: (
+            DecodeStream(ids=ids, skip_special_tokens=skip_special_tokens)
+            if ids is not None
+            else DecodeStream(skip_special_tokens=skip_special_tokens)
+        )
+        self._stream = self._new_stream(list(prompt_token_ids))
+
+    def push(self, token_id: int) -> str:
+        try:
+            return self._stream.step(self._backend, token_id) or ""
+        except Exception as exc:  # tokenizers' rare non-monotonic UTF-8 state; restart as vLLM does
+            if not str(exc).startswith(_INVALID_PREFIX):
+                raise
+            logger.warning("decode stream reset after an invalid prefix")
+            self._stream = self._new_stream()
+            return self._stream.step(self._backend, token_id) or ""
+
+
+class StopMatcher:
+    """Finds the earliest stop string in generated text, holding back just enough to be sure.
+
+    Text is released only when no stop string can still begin in it: the last ``longest - 1``
+    characters stay pending until more text (or the end) arrives. So a match never needs to look
+    at text already released, and a stop string split across deltas or attempts is still found.
+    """
+
+    def __init__(self, stops: list[str], include_stop_str_in_output: bool = False) -> None:
+        self.stops = [s for s in stops if s]
+        self.include = include_stop_str_in_output
+        self._holdback = max((len(s) for s in self.stops), default=1) - 1
+        self._pending = ""
+        self.matched: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.stops)
+
+    def feed(self, text: str, can_stop: bool = True) -> str:
+        """Add generated text; return what may be released now. After a match, ``matched`` is set
+        and the released text ends at the stop string (or includes it, if asked)."""
+        if self.matched is not None:
+            return ""
+        if not self.stops:
+            return text
+        self._pending += text
+        if can_stop:
+            found = self._earliest_match()
+            if found is not None:
+                index, stop = found
+                self.matched = stop
+                end = index + len(stop) if self.include else index
+                released, self._pending = self._pending[:end], ""
+                return released
+        if len(self._pending) <= self._holdback:
+            return ""
+        cut = len(self._pending) - self._holdback
+        released, self._pending = self._pending[:cut], self._pending[cut:]
+        return released
+
+    def flush(self) -> str:
+        """The generation ended without a match: release what was held back."""
+        released, self._pending = self._pending, ""
+        return released
+
+    def _earliest_match(self) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            index = self._pending.find(stop)
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best

@@ -1,0 +1,126 @@
+"""Real Ray Serve with real vLLM CPU engines: one Ray cluster and Serve instance per session,
+apps deployed per module (``deploy_app``) and deleted when the module ends.
+
+Everything listens on loopback; the HTTP port is a free one rather than configs/serve.yaml's
+8000, so the tests do not collide with a `make run` on the same machine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    http_port: int
+    metrics_port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+@dataclass
+class DeployedApp:
+    name: str
+    route_prefix: str
+    base_url: str  # http://host:port/<prefix> without a trailing slash
+    args: dict[str, Any]
+
+    @property
+    def handle(self) -> Any:
+        from ray import serve
+
+        return serve.get_app_handle(self.name)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.handle.engine_snapshot.remote().result(timeout_s=30)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    import ray
+    from ray import serve
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    metrics_port = free_port()
+    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False, _metrics_export_port=metrics_port)
+    file = yaml.safe_load(SERVE_YAML.read_text())
+    http = dict(file.get("http_options", {}))
+    http["port"] = free_port()
+    serve.start(http_options=http, proxy_location=file.get("proxy_location", "HeadOnly"))
+    try:
+        yield Cluster(http_port=http["port"], metrics_port=metrics_port)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any], timeout_s: float = 240) -> DeployedApp:
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+    app = DeployedApp(name=name, route_prefix=route_prefix, base_url=cluster.base_url + route_prefix.rstrip("/"), args=args)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(app.base_url + "/health", timeout=5).status_code == 200:
+                snap = app.snapshot()["engines"]
+                if all(e["healthy"] for e in snap.values()):
+                    return app
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"app {name} did not become healthy within {timeout_s}s")
+
+
+def serve_yaml_app() -> dict[str, Any]:
+    """The one application of configs/serve.yaml, as written."""
+    (app,) = yaml.safe_load(SERVE_YAML.read_text())["applications"]
+    return app
+
+
+def wait_idle(app: DeployedApp, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Wait until nothing is in flight anywhere and every engine's KV cache is empty; fail with
+    the last snapshot otherwise. This is the 'nothing leaks' check after every test."""
+    deadline = time.monotonic() + timeout_s
+    snap: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        snap = app.snapshot()
+        if snap["router"]["inflight"] == 0 and all(_engine_idle(e) for e in snap["engines"].values()):
+            return snap
+        time.sleep(0.25)
+    raise AssertionError(f"resources still held after {timeout_s}s: {snap}")
+
+
+def _engine_idle(engine: dict[str, Any]) -> bool:
+    return (
+        engine["router_inflight"] == 0
+        and engine["router_reserved_tokens"] == 0
+        and engine["engine_inflight"] == 0
+        and engine["engine_running"] == 0
+        and engine["engine_waiting"] == 0
+        and engine["kv_usage"] == 0.0
+    )

@@ -1,0 +1,229 @@
+"""The app exactly as configs/serve.yaml describes it, on real Ray Serve and real vLLM CPU
+engines: OpenAI API (completions and chat, stream and not), the handle API, bad input, metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from tests.integration.conftest import deploy, serve_yaml_app, wait_idle
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def app(cluster):
+    from ray import serve
+
+    spec = serve_yaml_app()
+    deployed = deploy(cluster, spec["name"], spec["route_prefix"], spec["args"])
+    yield deployed
+    serve.delete(deployed.name)
+
+
+@pytest.fixture(scope="module")
+def client(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=app.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(app):
+    from transformers import AutoTokenizer
+
+    from serve_app.config import load_config
+
+    return AutoTokenizer.from_pretrained(load_config(app.args).model)
+
+
+MODEL = "tiny-llama"
+PROMPT = "The river ran past the old mill, and the miller"
+MESSAGES = [{"role": "user", "content": "What is the weather today?"}]
+IDS = {"return_token_ids": True, "ignore_eos": True}
+
+
+def test_models_and_health(app):
+    models = requests.get(app.base_url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert requests.get(app.base_url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_completion_text_and_usage_match_tokens(app, client, tokenizer):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body=IDS)
+    choice = out.choices[0]
+    token_ids = choice.model_extra["token_ids"]
+    assert out.usage.prompt_tokens == len(tokenizer.encode(PROMPT))  # BOS + the prompt's tokens
+    assert out.usage.completion_tokens == len(token_ids) == 24
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 24
+    assert choice.text == tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert choice.finish_reason == "length"
+    assert out.id.startswith("cmpl-") and out.model == MODEL
+    wait_idle(app)
+
+
+def test_greedy_is_deterministic_and_stream_matches(app, client):
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, extra_body=IDS)
+    second = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, extra_body=IDS)
+    assert first.choices[0].text == second.choices[0].text
+    assert first.choices[0].model_extra["token_ids"] == second.choices[0].model_extra["token_ids"]
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=32,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=IDS,
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    streamed_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert text == first.choices[0].text
+    assert streamed_ids == first.choices[0].model_extra["token_ids"]
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage.completion_tokens == 32 and chunks[-1].usage.prompt_tokens == first.usage.prompt_tokens
+    wait_idle(app)
+
+
+def test_chat_stream_and_non_stream(app, client, tokenizer):
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=20, temperature=0, extra_body=IDS)
+    message = full.choices[0].message
+    assert message.role == "assistant"
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert full.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert full.usage.completion_tokens == 20
+    assert message.content == tokenizer.decode(full.choices[0].model_extra["token_ids"], skip_special_tokens=True)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_completion_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=IDS,
+        )
+    )
+    roles = [c.choices[0].delta.role for c in chunks if c.choices and c.choices[0].delta.role]
+    assert roles == ["assistant"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+    wait_idle(app)
+
+
+def test_handle_api_matches_http(app, client):
+    request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    http = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    handle = app.handle
+    final = handle.complete.remote(request).result(timeout_s=120)
+    assert final["choices"][0]["text"] == http.choices[0].text
+    assert final["usage"]["completion_tokens"] == 16
+
+    events = list(handle.options(stream=True).generate.remote({**request, "stream_options": {"include_usage": True}}))
+    assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == http.choices[0].text
+    assert events[-1]["usage"]["completion_tokens"] == 16
+
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    chat_final = handle.complete.remote(chat).result(timeout_s=120)
+    chat_events = list(handle.options(stream=True).generate.remote(chat))
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in chat_events if e.get("choices"))
+    assert streamed == chat_final["choices"][0]["message"]["content"]
+    assert handle.complete.remote({"messages": []}).result(timeout_s=30)["error"]["type"] == "invalid_request_error"
+    wait_idle(app)
+
+
+BAD_INPUTS: list[tuple[str, str | bytes, int, str | None]] = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", json.dumps({"model": MODEL}), 400, "prompt"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL}), 400, "messages"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}), 400, "messages"),
+    ("/v1/completions", json.dumps({"prompt": 12}), 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": "many"}), 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"}), 400, "temperature"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 5}]}), 400, "messages"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": -3}), 400, "max_tokens"),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "max_completion_tokens": 0}), 400, "max_completion_tokens"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 100000}), 400, "max_tokens"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "model": "no-such-model"}), 404, "model"),
+    ("/v1/completions", json.dumps({"prompt": "the river " * 1200, "max_tokens": 4}), 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}), 400, "n"),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "n": 3}), 400, "n"),
+    ("/v1/completions", json.dumps({"prompt": [1, 5, 999999]}), 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "temperature": -1}), 400, "temperature"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "stream_options": {"include_usage": True}}), 400, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_INPUTS)
+def test_bad_input_gets_openai_error(app, path, body, status, param):
+    started = time.monotonic()
+    response = requests.post(app.base_url + path, data=body, headers={"content-type": "application/json"}, timeout=30)
+    assert time.monotonic() - started < 10, "a bad request must be refused at once"
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and isinstance(error["message"], str)
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param), error
+    # Also streaming: refused before any event, with the same status.
+    if isinstance(body, str) and body.startswith("{"):
+        streamed = requests.post(
+            app.base_url + path, data=json.dumps({**json.loads(body), "stream": True}), timeout=30
+        )
+        if param != "stream_options":
+            assert streamed.status_code == status, streamed.text
+
+
+def test_bad_input_leaves_nothing_behind(app):
+    for path, body, _, _ in BAD_INPUTS:
+        requests.post(app.base_url + path, data=body, timeout=30)
+    snap = wait_idle(app)
+    assert snap["router"]["inflight"] == 0
+
+
+def test_client_disconnect_mid_stream_releases_everything(app):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with requests.post(app.base_url + "/v1/completions", json=body, stream=True, timeout=60) as response:
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith(b"data: ") for line in got)
+        busy = app.snapshot()
+        assert busy["router"]["inflight"] == 1
+    wait_idle(app)
+
+
+def metric_lines(port: int) -> list[str]:
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return [line for line in text.splitlines() if line.startswith("ray_pd_")]
+
+
+def test_metrics_exported_after_traffic(app, client, cluster):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    requests.post(app.base_url + "/v1/completions", json={"prompt": "hi", "n": 2}, timeout=30)
+    wanted = {
+        "ray_pd_requests_total": 'status="200"',
+        "ray_pd_ttft_seconds_bucket": "",
+        "ray_pd_tpot_seconds_bucket": "",
+        "ray_pd_inflight": 'role="decode"',
+        "ray_pd_engine_kv_usage": 'engine="decode-0"',
+        "ray_pd_errors_total": 'kind="invalid_request"',
+    }
+    deadline = time.monotonic() + 90
+    missing: dict[str, Any] = dict(wanted)
+    while missing and time.monotonic() < deadline:
+        lines = metric_lines(cluster.metrics_port)
+        missing = {
+            name: tag for name, tag in missing.items() if not any(l.startswith(name + "{") and tag in l for l in lines)
+        }
+        time.sleep(2)
+    assert not missing, f"metrics not exported: {sorted(missing)}"

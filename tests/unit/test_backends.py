@@ -1,0 +1,89 @@
+"""The engine arguments each backend produces. The Ascend ones cannot run here (no NPU), so
+these checks against vllm-ascend's documented settings are what stands for them."""
+
+from __future__ import annotations
+
+from serve_app.config import load_config
+from serve_app.engines.backends import engine_specs
+
+
+def specs_by_name(args):
+    return {spec.name: spec for spec in engine_specs(load_config(args))}
+
+
+ASCEND = {
+    "backend": "ascend",
+    "model": "/models/Qwen3-8B",
+    "prefill": {"replicas": 2, "engine_kwargs": {"tensor_parallel_size": 4}},
+    "decode": {"replicas": 1, "engine_kwargs": {"tensor_parallel_size": 2}},
+}
+
+
+def test_ascend_prefill_is_a_mooncake_layerwise_producer():
+    specs = specs_by_name(ASCEND)
+    kwargs = specs["prefill-0"].engine_kwargs
+    ktc = kwargs["kv_transfer_config"]
+    assert ktc["kv_connector"] == "MooncakeLayerwiseConnector"
+    assert "kv_connector_module_path" not in ktc  # vllm-ascend registers it by name
+    assert ktc["kv_role"] == "kv_producer"
+    assert ktc["kv_connector_extra_config"]["prefill"] == {"dp_size": 1, "tp_size": 4}
+    assert ktc["kv_connector_extra_config"]["decode"] == {"dp_size": 1, "tp_size": 2}
+    assert "additional_config" not in kwargs  # vllm-ascend rejects the recompute scheduler on producers
+    assert kwargs["tensor_parallel_size"] == 4 and kwargs["model"] == "/models/Qwen3-8B"
+
+
+def test_ascend_decode_is_a_consumer_with_the_recompute_scheduler():
+    kwargs = specs_by_name(ASCEND)["decode-0"].engine_kwargs
+    assert kwargs["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    assert kwargs["additional_config"] == {"scheduler_config": {"recompute_scheduler_enable": True}}
+    assert "scheduler_cls" not in kwargs  # vllm-ascend swaps its own scheduler in
+
+
+def test_ascend_decode_without_recompute():
+    args = {**ASCEND, "decode": {**ASCEND["decode"], "recompute": False}}
+    assert "additional_config" not in specs_by_name(args)["decode-0"].engine_kwargs
+
+
+def test_every_engine_gets_its_own_kv_port_block():
+    specs = list(specs_by_name(ASCEND).values())
+    ports = [s.engine_kwargs["kv_transfer_config"]["kv_port"] for s in specs]
+    assert len(set(ports)) == len(ports) == 3
+    assert sorted(ports) == [36000, 36016, 36032]
+
+
+def test_ascend_leaves_cpu_settings_out():
+    for spec in specs_by_name(ASCEND).values():
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in spec.env
+        assert "kv_cache_memory_bytes" not in spec.engine_kwargs
+
+
+def test_cpu_defaults_bound_the_kv_cache_and_bind_threads():
+    specs = specs_by_name({"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    for spec in specs.values():
+        assert spec.engine_kwargs["kv_cache_memory_bytes"] > 0
+        assert spec.engine_kwargs["enforce_eager"] is True
+        assert spec.engine_kwargs["dtype"] == "float32"
+        assert spec.env["VLLM_HOST_IP"] == "127.0.0.1"
+    binds = {spec.env["VLLM_CPU_OMP_THREADS_BIND"] for spec in specs.values()}
+    assert len(binds) == min(2, __import__("os").cpu_count() or 1)
+
+
+def test_engine_kwargs_precedence():
+    specs = specs_by_name(
+        {
+            "engine_kwargs": {"max_num_seqs": 8, "kv_cache_memory_bytes": 1 << 20},
+            "decode": {"engine_kwargs": {"max_num_seqs": 4}},
+            "max_model_len": 1024,
+        }
+    )
+    assert specs["decode-0"].engine_kwargs["max_num_seqs"] == 4
+    assert specs["prefill-0"].engine_kwargs["max_num_seqs"] == 8
+    assert specs["decode-0"].engine_kwargs["kv_cache_memory_bytes"] == 1 << 20
+    assert specs["decode-0"].engine_kwargs["max_model_len"] == 1024
+
+
+def test_cpu_bind_list_and_nobind():
+    specs = specs_by_name({"decode": {"replicas": 2, "cpu_bind": ["1", "0"]}, "prefill": {"cpu_bind": "nobind"}})
+    assert specs["decode-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert specs["decode-1"].env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert specs["prefill-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"

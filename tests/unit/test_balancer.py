@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from serve_app.router.balancer import EngineLoad, decode_score, prefill_score, select
+
+
+def loads(*specs):
+    return [EngineLoad(name=n, role="decode", reserved_tokens=r, kv_used_tokens=k, healthy=h) for n, r, k, h in specs]
+
+
+def test_least_loaded_decode_wins():
+    pool = loads(("d0", 100, 500, True), ("d1", 300, 0, True))
+    assert select(pool, decode_score).name == "d1"
+
+
+def test_ties_rotate_instead_of_always_index_zero():
+    pool = loads(("d0", 0, 0, True), ("d1", 0, 0, True))
+    assert {select(pool, decode_score, turn=t).name for t in range(4)} == {"d0", "d1"}
+
+
+def test_unhealthy_engines_are_skipped_and_none_left_means_none():
+    pool = loads(("d0", 0, 0, False), ("d1", 999, 0, True))
+    assert select(pool, decode_score).name == "d1"
+    assert select(loads(("d0", 0, 0, False)), decode_score) is None
+
+
+def test_avoid_is_a_preference_not_a_ban():
+    pool = loads(("d0", 0, 0, True), ("d1", 50, 0, True))
+    assert select(pool, decode_score, avoid={"d0"}).name == "d1"
+    assert select(loads(("d0", 0, 0, True)), decode_score, avoid={"d0"}).name == "d0"
+
+
+def test_prefill_score_counts_queued_prompt_tokens_and_waiting():
+    a = EngineLoad(name="p0", role="prefill", reserved_tokens=1000, healthy=True)
+    b = EngineLoad(name="p1", role="prefill", reserved_tokens=200, num_waiting=3, healthy=True)
+    assert prefill_score(b) == 203
+    assert select([a, b], prefill_score).name == "p1"
+
+
+def test_scores_are_integers():
+    load = EngineLoad(name="d", role="decode", reserved_tokens=7, kv_used_tokens=128, healthy=True)
+    assert isinstance(decode_score(load), int)

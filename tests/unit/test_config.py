@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from serve_app.config import ConfigError, load_config
+from tests.integration.conftest import SERVE_YAML
+
+
+def test_serve_yaml_is_valid_and_explicit_about_cpus():
+    file = yaml.safe_load(SERVE_YAML.read_text())
+    (app,) = file["applications"]
+    assert app["import_path"] == "serve_app.app:build_app"
+    config = load_config(app["args"])
+    assert config.backend == "cpu"
+    for role in ("prefill", "decode", "router"):
+        assert "num_cpus" in app["args"][role], f"{role} must set num_cpus explicitly"
+    assert config.prefill.replicas == 1 and config.decode.replicas == 1
+
+
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        ({"backend": "tpu"}, "backend"),
+        ({"prefill": {"replicas": -1}}, "prefill.replicas"),
+        ({"decode": {"engine_kwags": {}}}, "decode.engine_kwags"),
+        ({"router": {"max_attempts": 0}}, "router.max_attempts"),
+        ({"router": {"timeouts": {"kv_ready_s": 0}}}, "router.timeouts.kv_ready_s"),
+        ({"max_model_len": "long"}, "max_model_len"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_config_names_the_field(args, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(args)
+    assert field in str(err.value)
+
+
+def test_topology_checks():
+    with pytest.raises(ConfigError, match="decode.replicas"):
+        load_config({"decode": {"replicas": 0}})
+    with pytest.raises(ConfigError, match="disaggregated"):
+        load_config({"prefill": {"replicas": 0}, "router": {"mode": "disaggregated"}})
+    assert load_config({"prefill": {"replicas": 0}, "router": {"mode": "colocated"}}).prefill.replicas == 0
+
+
+def test_build_app_fails_at_start_on_bad_args():
+    from serve_app.app import build_app
+
+    with pytest.raises(ConfigError, match="router.mode"):
+        build_app({"router": {"mode": "sideways"}})
