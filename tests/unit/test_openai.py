@@ -1,0 +1,85 @@
+"""Request validation and prompt building, with vLLM's protocol models and the tiny tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.router.openai import ModelContext, OpenAIError, decode_json, parse_request, route_of
+
+
+@pytest.fixture
+def ctx(tiny_tokenizer):
+    return ModelContext(name="tiny-llama", aliases=frozenset({"/m"}), max_model_len=128, vocab_size=1024, tokenizer=tiny_tokenizer)
+
+
+def refused(ctx, route, body, status=400):
+    with pytest.raises(OpenAIError) as err:
+        parse_request(route, body, ctx)
+    assert err.value.status == status
+    return err.value
+
+
+def test_completion_prompt_is_tokenized_once_with_bos(ctx, tiny_tokenizer):
+    parsed = parse_request("completions", {"prompt": "The river", "max_tokens": 3}, ctx)
+    assert parsed.prompt_token_ids == tiny_tokenizer.encode("The river")
+    assert parsed.prompt_token_ids[0] == tiny_tokenizer.bos_token_id
+    assert parse_request("completions", {"prompt": [5, 6, 7]}, ctx).prompt_token_ids == [5, 6, 7]
+    assert parse_request("completions", {"prompt": ["one prompt"]}, ctx).prompt_token_ids == tiny_tokenizer.encode("one prompt")
+
+
+def test_chat_template_applied_once_without_a_second_bos(ctx, tiny_tokenizer):
+    parsed = parse_request("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}, ctx)
+    assert parsed.prompt_token_ids.count(tiny_tokenizer.bos_token_id) == 1
+    assert tiny_tokenizer.decode(parsed.prompt_token_ids) == "<s><|user|>\nHi<|end|>\n<|assistant|>\n"
+
+
+def test_stop_strings_move_to_the_router_and_engines_skip_detokenizing(ctx):
+    parsed = parse_request("completions", {"prompt": "x", "stop": ["a", "bc"], "max_tokens": 4, "temperature": 0}, ctx)
+    assert parsed.stops == ["a", "bc"]
+    params = parsed.sampling_params
+    assert params.stop == [] and params.detokenize is False and params.max_tokens == 4 and params.temperature == 0
+    assert parse_request("completions", {"prompt": "x", "stop": "z"}, ctx).stops == ["z"]
+
+
+def test_logprobs_settings(ctx):
+    assert parse_request("completions", {"prompt": "x", "logprobs": 3}, ctx).logprobs == 3
+    assert parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}, ctx).logprobs == 2
+    assert parse_request("chat", {"messages": [{"role": "user", "content": "x"}]}, ctx).logprobs is None
+    assert refused(ctx, "completions", {"prompt": "x", "logprobs": 50}).param == "logprobs"
+
+
+@pytest.mark.parametrize(
+    "route,body,param",
+    [
+        ("completions", {"prompt": "x", "echo": True}, "echo"),
+        ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        ("completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, "messages"),
+        ("completions", {"prompt": "x", "n": 2}, "n"),
+        ("completions", {"prompt": ""}, "prompt"),
+    ],
+)
+def test_unsupported_or_bad_fields_are_named(ctx, route, body, param):
+    assert refused(ctx, route, body).param.startswith(param)
+
+
+def test_lengths_against_the_model(ctx):
+    long_prompt = list(range(10, 138))  # 128 tokens: no room left
+    assert refused(ctx, "completions", {"prompt": long_prompt}).param == "prompt"
+    assert refused(ctx, "completions", {"prompt": [1, 2], "max_tokens": 127}).param == "max_tokens"
+    assert parse_request("completions", {"prompt": [1, 2], "max_tokens": 126}, ctx).max_tokens == 126
+
+
+def test_model_names(ctx):
+    assert parse_request("completions", {"prompt": "x", "model": "/m"}, ctx).model == "/m"
+    err = refused(ctx, "completions", {"prompt": "x", "model": "other"}, status=404)
+    assert err.code == "model_not_found"
+
+
+def test_json_and_routes():
+    with pytest.raises(OpenAIError):
+        decode_json(b"{")
+    assert route_of({"messages": []}) == "chat" and route_of({"prompt": "x"}) == "completions"

@@ -1,0 +1,277 @@
+"""The recompute-retry state machine, driven by hand (no Ray, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.protocol import RECOMPUTED, TokenDelta, TokenLogprob
+from serve_app.router.framing import ResponseFramer
+from serve_app.router.openai import ModelContext, OpenAIError, parse_request
+from serve_app.router.recompute import Action, Phase, RecomputeStateMachine
+from serve_app.router.text import StopMatcher
+
+
+class LetterStream:
+    """Token t decodes to the letter chr(ord('a') + t): easy to read, one char per token."""
+
+    def push(self, token_id: int) -> str:
+        return chr(ord("a") + token_id)
+
+
+def machine(max_tokens=10, max_attempts=4, stops=(), prompt=(100, 101, 102), **kw) -> RecomputeStateMachine:
+    return RecomputeStateMachine(
+        request_id="cmpl-x",
+        prompt_token_ids=list(prompt),
+        max_tokens=max_tokens,
+        max_attempts=max_attempts,
+        text=LetterStream(),
+        stops=StopMatcher(list(stops)),
+        **kw,
+    )
+
+
+def delta(*ids, finish=None, stop=None):
+    return TokenDelta(token_ids=list(ids), finish_reason=finish, stop_reason=stop)
+
+
+def recomputed(*ids):
+    return delta(*ids, finish="stop", stop=RECOMPUTED)
+
+
+def test_single_attempt_phases():
+    m = machine()
+    plan = m.start_attempt(disaggregated=True)
+    assert (plan.number, plan.prompt_token_ids, plan.max_tokens) == (1, [100, 101, 102], 10)
+    assert m.phase is Phase.AWAITING_KV
+    m.kv_ready()
+    assert m.phase is Phase.PREFILLING
+    m.prefill_done()
+    assert m.phase is Phase.DECODING
+    step = m.on_delta(delta(0, 1, 2, finish="stop"))
+    assert step.action is Action.FINISH and step.emission.text == "abc"
+    assert m.phase is Phase.FINISHED and m.finish_reason == "stop"
+
+
+def test_one_recompute_resumes_with_history_and_shrunk_budget():
+    m = machine(max_tokens=10)
+    first = m.start_attempt(disaggregated=False)
+    m.on_delta(delta(0, 1), engine="decode-0")
+    m.on_delta(delta(2), engine="decode-0")
+    step = m.on_delta(recomputed(), engine="decode-0")
+    assert step.action is Action.RETRY and step.recomputed
+    assert step.wasted_tokens == 3 + 3  # the attempt's prompt + its output
+    assert m.phase is Phase.DISPATCH
+    second = m.start_attempt(disaggregated=False)
+    assert second.prompt_token_ids == [100, 101, 102, 0, 1, 2]
+    assert second.max_tokens == 7
+    assert second.attempt_id != first.attempt_id
+    assert second.avoid == frozenset({"decode-0"})
+    m.on_delta(delta(3, 4, 5, 6, 7, 8, 9, finish="length"), engine="decode-1")
+    assert m.finished and m.output_token_ids == list(range(10)) and m.text == "abcdefghij"
+    assert (m.prompt_tokens, m.completion_tokens, m.attempts, m.recomputes) == (3, 10, 2, 1)
+
+
+def test_budget_shrinks_by_tokens_not_by_chunks():
+    """Deltas carry several tokens each (coalesced engine steps): the budget counts tokens."""
+    m = machine(max_tokens=20)
+    m.start_attempt(False)
+    m.on_delta(delta(1, 2, 3, 4, 5))  # one chunk, five tokens
+    m.on_delta(recomputed())
+    assert m.start_attempt(False).max_tokens == 15
+    m.on_delta(delta(6, 7, 8))
+    m.on_delta(delta(9))
+    m.on_delta(recomputed())
+    third = m.start_attempt(False)
+    assert third.max_tokens == 11 and third.prompt_token_ids[3:] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_several_recomputes_then_finish():
+    m = machine(max_tokens=6, max_attempts=6)
+    for token in range(5):
+        m.start_attempt(False)
+        m.on_delta(delta(token))
+        assert m.on_delta(recomputed()).action is Action.RETRY
+    m.start_attempt(False)
+    assert m.current.max_tokens == 1
+    step = m.on_delta(delta(5, finish="length"))
+    assert step.action is Action.FINISH and m.output_token_ids == [0, 1, 2, 3, 4, 5] and m.attempts == 6
+
+
+def test_budget_reaching_zero_finishes_with_length_not_another_attempt():
+    m = machine(max_tokens=3)
+    m.start_attempt(False)
+    m.on_delta(delta(0, 1, 2))
+    step = m.on_delta(recomputed())
+    assert step.action is Action.FINISH
+    assert m.finish_reason == "length" and m.attempts == 1 and m.error is None
+
+
+def test_tokens_beyond_the_budget_are_never_counted():
+    m = machine(max_tokens=2)
+    m.start_attempt(False)
+    step = m.on_delta(delta(0, 1, 2, 3))
+    assert m.output_token_ids == [0, 1] and step.action is Action.FINISH and m.finish_reason == "length"
+
+
+def test_max_attempts_ends_with_an_error_not_a_loop():
+    m = machine(max_tokens=100, max_attempts=2)
+    m.start_attempt(False)
+    m.on_delta(delta(0))
+    assert m.on_delta(recomputed()).action is Action.RETRY
+    m.start_attempt(False)
+    m.on_delta(delta(1))
+    step = m.on_delta(recomputed())
+    assert step.action is Action.FINISH and step.emission.error is not None
+    assert "2 attempts" in step.emission.error and m.finished
+    with pytest.raises(RuntimeError):
+        m.start_attempt(False)
+
+
+def test_engine_failure_retries_and_prefers_another_engine():
+    m = machine()
+    m.start_attempt(True)
+    m.kv_ready()
+    step = m.on_attempt_failed("prefill engine prefill-0 failed", retryable=True, engine="prefill-0")
+    assert step.action is Action.RETRY and not step.recomputed
+    plan = m.start_attempt(True)
+    assert plan.avoid == frozenset({"prefill-0"}) and plan.prompt_token_ids == [100, 101, 102]
+
+
+def test_a_dead_decode_mid_stream_resumes_token_exact():
+    m = machine(max_tokens=8)
+    m.start_attempt(False)
+    m.on_delta(delta(0, 1, 2), engine="decode-0")
+    assert m.on_attempt_failed("decode engine decode-0 failed", engine="decode-0").action is Action.RETRY
+    plan = m.start_attempt(False)
+    assert plan.prompt_token_ids == [100, 101, 102, 0, 1, 2] and plan.max_tokens == 5
+    assert plan.avoid == frozenset({"decode-0"})
+
+
+def test_engine_abort_or_error_finish_is_a_failed_attempt():
+    m = machine()
+    m.start_attempt(False)
+    assert m.on_delta(delta(0, finish="error")).action is Action.RETRY
+    m.start_attempt(False)
+    assert m.on_delta(delta(finish="abort")).action is Action.RETRY
+
+
+def test_non_retryable_failure_and_request_deadline():
+    m = machine()
+    m.start_attempt(False)
+    step = m.on_attempt_failed("no decode engine is available", retryable=False, status=503)
+    assert step.action is Action.FINISH and step.emission.error_status == 503
+    m2 = machine()
+    m2.start_attempt(False)
+    assert m2.fail("request timed out", status=504).emission.error_status == 504
+
+
+def test_stop_string_spanning_two_attempts():
+    """'cde' starts in attempt 1 ('...cd') and ends in attempt 2 ('e...'): no engine saw it."""
+    m = machine(max_tokens=20, stops=["cde"])
+    m.start_attempt(False)
+    released = m.on_delta(delta(0, 1, 2, 3)).emission.text  # 'abcd'
+    released += m.on_delta(recomputed()).emission.text
+    assert "c" not in released  # 'cd' is held back: it may begin the stop string
+    m.start_attempt(False)
+    step = m.on_delta(delta(4, 5, 6))  # 'efg'
+    released += step.emission.text
+    assert step.action is Action.FINISH
+    assert released == m.text == "ab"
+    assert (m.finish_reason, m.stop_reason) == ("stop", "cde")
+    assert m.output_token_ids == [0, 1, 2, 3, 4]  # up to the token that completed the stop
+
+
+def test_stop_string_not_matched_releases_the_held_text_at_the_end():
+    m = machine(max_tokens=4, stops=["zz"])
+    m.start_attempt(False)
+    text = m.on_delta(delta(0, 1)).emission.text
+    text += m.on_delta(delta(2, 3, finish="length")).emission.text
+    assert text == "abcd" == m.text
+
+
+def test_logprobs_follow_the_tokens_across_attempts():
+    m = machine(max_tokens=4, logprobs=True)
+    m.start_attempt(False)
+    lp = [TokenLogprob(token_id=0, logprob=-0.5), TokenLogprob(token_id=1, logprob=-0.25)]
+    m.on_delta(TokenDelta(token_ids=[0, 1], logprobs=lp))
+    m.on_delta(recomputed())
+    m.start_attempt(False)
+    m.on_delta(TokenDelta(token_ids=[2, 3], logprobs=[TokenLogprob(2, -1.0), TokenLogprob(3, -2.0)], finish_reason="length"))
+    assert [x.token_id for x in m.output_logprobs] == [0, 1, 2, 3]
+
+
+def test_tokens_without_kv_ready_mean_decode_had_the_prompt_cached():
+    m = machine()
+    m.start_attempt(True)
+    m.on_delta(delta(0))
+    assert m.phase is Phase.DECODING
+
+
+# ---------------------------------------------------------------- with the real request types
+@pytest.fixture
+def ctx(tiny_tokenizer):
+    return ModelContext(name="tiny-llama", aliases=frozenset(), max_model_len=256, vocab_size=1024, tokenizer=tiny_tokenizer)
+
+
+def test_max_completion_tokens_wins_over_max_tokens(ctx):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50, "max_completion_tokens": 7}
+    assert parse_request("chat", chat, ctx).max_tokens == 7
+    assert parse_request("chat", {"messages": chat["messages"], "max_tokens": 9}, ctx).max_tokens == 9
+    parsed = parse_request("chat", {"messages": chat["messages"]}, ctx)
+    assert parsed.max_tokens == 256 - len(parsed.prompt_token_ids)  # neither: the room left
+    assert parse_request("completions", {"prompt": "Hi", "max_tokens": 5}, ctx).max_tokens == 5
+
+
+def test_empty_messages_are_rejected_before_any_engine(ctx):
+    with pytest.raises(OpenAIError) as err:
+        parse_request("chat", {"messages": []}, ctx)
+    assert err.value.status == 400 and err.value.param == "messages"
+
+
+def run_with_framer(ctx, body, attempts):
+    """Drive machine + framer through attempts (lists of deltas); returns the stream chunks."""
+    parsed = parse_request("chat" if "messages" in body else "completions", body, ctx)
+    m = RecomputeStateMachine(
+        request_id=parsed.response_id,
+        prompt_token_ids=parsed.prompt_token_ids,
+        max_tokens=parsed.max_tokens,
+        max_attempts=8,
+        text=LetterStream(),
+        stops=StopMatcher(parsed.stops),
+    )
+    framer = ResponseFramer(parsed, token_text=lambda t: chr(ord("a") + t))
+    chunks = []
+    for deltas in attempts:
+        m.start_attempt(False)
+        for d in deltas:
+            chunks += framer.chunks(m.on_delta(d).emission)
+    return parsed, m, framer, chunks
+
+
+def test_one_response_across_attempts_role_once_stable_id_no_recomputed_chunk(ctx):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "stream": True}
+    parsed, m, framer, chunks = run_with_framer(
+        ctx, body, [[delta(0, 1), recomputed()], [delta(2), recomputed()], [delta(3, 4, 5, finish="length")]]
+    )
+    assert [c["choices"][0]["delta"].get("role") for c in chunks].count("assistant") == 1
+    assert {c["id"] for c in chunks} == {parsed.response_id} and len({c["created"] for c in chunks}) == 1
+    assert all(c["choices"][0].get("stop_reason") != RECOMPUTED for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["length"]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "abcdef"
+    usage = framer.usage_chunk(m.prompt_tokens, m.completion_tokens)["usage"]
+    assert usage == {"prompt_tokens": len(parsed.prompt_token_ids), "completion_tokens": 6, "total_tokens": len(parsed.prompt_token_ids) + 6}
+
+
+def test_non_stream_response_without_engine_usage_is_stitched_from_counted_tokens(ctx):
+    """Engines report no usage at all (deltas have none): the budget and the final usage come
+    from the tokens the router counted, so a missing usage.completion_tokens cannot break them."""
+    body = {"prompt": "Hi", "max_tokens": 5}
+    parsed, m, framer, _ = run_with_framer(ctx, body, [[delta(0, 1, 2), recomputed()], [delta(3, 4, finish="length")]])
+    final = framer.final(
+        text=m.text, token_ids=m.output_token_ids, logprobs=None, finish_reason=m.finish_reason,
+        stop_reason=m.stop_reason, prompt_tokens=m.prompt_tokens,
+    )
+    assert final["choices"][0]["text"] == "abcde" and final["choices"][0]["finish_reason"] == "length"
+    assert final["usage"]["completion_tokens"] == 5
+    assert final["usage"]["prompt_tokens"] == len(parsed.prompt_token_ids)
+    assert final["id"] == parsed.response_id
