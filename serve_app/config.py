@@ -88,6 +88,13 @@ class AppConfig(_Strict):
     kv_connector_extra_config: dict[str, Any] = Field(
         default_factory=dict, description="merged into both roles' kv_connector_extra_config"
     )
+    debug_faults: bool = Field(
+        False,
+        description=(
+            "accept `pd_debug` in requests to inject faults (corrupt KV, slow push, lost "
+            "metaserver callback, failing prefill); for tests only, never in production"
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_topology(self) -> "AppConfig":

@@ -17,6 +17,11 @@ Role = Literal["prefill", "decode"]
 RECOMPUTED = "recomputed"
 
 
+# Fault injection, for tests: with the app's `debug_faults: true`, a request may carry
+# `pd_debug: {...}` with these keys; they apply to its first `attempts` attempts (default 1).
+DEBUG_FAULTS = frozenset({"corrupt_kv", "push_delay_s", "skip_metaserver", "prefill_raise", "attempts"})
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """The sampled token's logprob and the top alternatives at its position, as

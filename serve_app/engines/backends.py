@@ -42,8 +42,8 @@ class Backend:
 
 CPU = Backend(
     name="cpu",
-    kv_connector=None,
-    kv_connector_module_path=None,
+    kv_connector="LayerwisePushConnector",
+    kv_connector_module_path="serve_app.kv.layerwise_connector",
     recompute_via=None,
     engine_defaults={
         # Compiling costs ~30 s per engine start on this class of host and gains little here.
@@ -92,6 +92,7 @@ class EngineSpec:
     num_cpus: float
     health_check_period_s: float
     health_check_timeout_s: float
+    debug_faults: bool = False
 
 
 def engine_specs(config: AppConfig) -> list[EngineSpec]:
@@ -118,6 +119,7 @@ def engine_specs(config: AppConfig) -> list[EngineSpec]:
                     num_cpus=group.num_cpus,
                     health_check_period_s=group.health_check_period_s,
                     health_check_timeout_s=group.health_check_timeout_s,
+                    debug_faults=config.debug_faults,
                 )
             )
     return specs
@@ -167,6 +169,8 @@ def _kv_transfer_config(config: AppConfig, backend: Backend, role: Role, kv_port
         extra["prefill"] = {"dp_size": 1, "tp_size": _tp_size(config, "prefill")}
         extra["decode"] = {"dp_size": 1, "tp_size": _tp_size(config, "decode")}
     extra.update(config.kv_connector_extra_config)
+    if config.debug_faults:
+        extra["allow_debug_faults"] = True
     assert backend.kv_connector is not None
     ktc: dict[str, Any] = {
         "kv_connector": backend.kv_connector,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,14 +20,29 @@ from serve_app.protocol import EngineRequest, EngineStats, Role, TokenDelta, Tok
 logger = logging.getLogger("pd_serve.engine")
 
 
+RECENT = 2048  # per-request records kept for inspection (tests, operators)
+
+
+class _Recent(OrderedDict):
+    """A bounded map: the oldest entries go first."""
+
+    def put(self, key: str, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > RECENT:
+            self.popitem(last=False)
+
+
 class _LoadTracker:
-    """Latest scheduler stats, fed by vLLM's stat-logger hook on every engine step."""
+    """Latest scheduler stats, fed by vLLM's stat-logger hook on every engine step; also collects
+    the KV connector's per-transfer records that ride along with them."""
 
     def __init__(self) -> None:
         self.num_running = 0
         self.num_waiting = 0
         self.kv_usage = 0.0
         self.updated_at = 0.0
+        self.transfers = _Recent()
 
     def logger_factory(self) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -43,6 +59,9 @@ class _LoadTracker:
                     tracker.num_waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
                     tracker.kv_usage = float(scheduler_stats.kv_cache_usage)
                     tracker.updated_at = time.monotonic()
+                    connector = scheduler_stats.kv_connector_stats or {}
+                    for transfer_id, record in (connector.get("transfers") or {}).items():
+                        tracker.transfers.put(transfer_id, record)
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -61,6 +80,8 @@ class EngineRunner:
         self._load = _LoadTracker()
         # attempt id -> reserved tokens (prompt + max_tokens) of the requests this engine holds.
         self._inflight: dict[str, int] = {}
+        # attempt id -> what the engine did with it (prompt tokens it did not compute, outcome).
+        self.requests = _Recent()
 
     def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -96,14 +117,21 @@ class EngineRunner:
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": request.kv_transfer_params}
         num_logprobs = params.logprobs
         self._inflight[request.request_id] = len(request.prompt_token_ids) + (params.max_tokens or 0)
+        record: dict[str, Any] = {"prompt_tokens": len(request.prompt_token_ids), "output_tokens": 0, "finish_reason": None}
+        self.requests.put(request.request_id, record)
         first = True
         try:
             outputs = self.llm.generate(tokens_input(request.prompt_token_ids), params, request.request_id)
             async for out in outputs:
                 delta = _to_delta(out, num_logprobs)
                 if first:
+                    # Prompt tokens this engine did not compute: prefix-cache hits and KV received.
                     delta.num_cached_tokens = out.num_cached_tokens
+                    record["num_cached_tokens"] = out.num_cached_tokens
                     first = False
+                record["output_tokens"] += len(delta.token_ids)
+                record["finish_reason"] = delta.finish_reason
+                record["stop_reason"] = delta.stop_reason
                 yield delta
                 if delta.finish_reason is not None:
                     return
@@ -130,6 +158,9 @@ class EngineRunner:
             inflight=len(self._inflight),
             healthy=self.llm is not None and not self.llm.errored,
         )
+
+    def transfers(self) -> dict[str, Any]:
+        return dict(self._load.transfers)
 
     def shutdown(self) -> None:
         if self.llm is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from typing import Any
 
 from serve_app.engines.backends import EngineSpec
 from serve_app.engines.engine import EngineRunner
@@ -39,6 +41,19 @@ class EngineServer:
 
     async def abort(self, request_id: str) -> None:
         await self.runner.abort(request_id)
+
+    async def inspect(self, request_ids: list[str] | None = None) -> dict[str, Any]:
+        """What this engine did with recent requests (by attempt id): its own record (prompt
+        tokens it did not compute, outcome) and its KV connector's transfer record."""
+        requests = self.runner.requests
+        transfers = self.runner.transfers()
+        ids = request_ids if request_ids is not None else list(requests)
+        return {
+            "engine": self.spec.name,
+            "pid": os.getpid(),
+            "requests": {i: requests.get(i) for i in ids},
+            "transfers": {i: transfers.get(i) for i in ids},
+        }
 
     async def check_health(self) -> None:
         """Serve's health check: a dead engine core restarts the replica."""

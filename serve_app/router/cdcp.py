@@ -34,6 +34,7 @@ from serve_app.router.recompute import AttemptPlan
 logger = logging.getLogger("pd_serve.router")
 
 ENGINE_WAIT_POLL_S = 0.2
+PREFILL_FAULTS = frozenset({"corrupt_kv", "push_delay_s", "prefill_raise"})
 
 
 @dataclass
@@ -77,23 +78,27 @@ class AttemptExecutor:
         self.timeouts = timeouts
         self.metrics = metrics
 
-    async def run(self, plan: AttemptPlan, params_template: Any) -> AsyncIterator[AttemptEvent]:
+    async def run(
+        self, plan: AttemptPlan, params_template: Any, debug: dict[str, Any] | None = None
+    ) -> AsyncIterator[AttemptEvent]:
         decode = await self._pick("decode", plan.avoid)
         if decode is None:
             yield AttemptFailed("no decode engine is available", retryable=False, status=503)
             return
         params = params_template.clone()
         params.max_tokens = plan.max_tokens
-        kv_params = (
-            {"do_remote_prefill": True, "do_remote_decode": False, "request_id": plan.attempt_id}
-            if plan.disaggregated
-            else None
-        )
+        faults = debug if debug and plan.number <= int(debug.get("attempts", 1)) else {}
+        kv_params = None
+        if plan.disaggregated:
+            # The decode replica adds the URL of its own metaserver relay.
+            kv_params = {"do_remote_prefill": True, "do_remote_decode": False, "request_id": plan.attempt_id}
+            if faults.get("skip_metaserver"):
+                kv_params["debug_skip_metaserver"] = True
         request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, params, kv_params)
         reserved = len(plan.prompt_token_ids) + plan.max_tokens
         with self.pool.lease(decode.name, reserved):
             stream = self.pool.handles[decode.name].options(stream=True).generate.remote(request)
-            attempt = _AttemptRun(self, plan, decode.name, stream)
+            attempt = _AttemptRun(self, plan, decode.name, stream, faults)
             try:
                 async for event in attempt.events():
                     yield event
@@ -114,8 +119,9 @@ class AttemptExecutor:
 class _AttemptRun:
     """The moving parts of one attempt: the decode stream, the prefill call, the deadlines."""
 
-    def __init__(self, executor: AttemptExecutor, plan: AttemptPlan, decode: str, stream: Any) -> None:
+    def __init__(self, executor: AttemptExecutor, plan: AttemptPlan, decode: str, stream: Any, faults: dict[str, Any]) -> None:
         self.executor = executor
+        self.faults = faults
         self.plan = plan
         self.decode = decode
         self.stream = stream
@@ -200,6 +206,8 @@ class _AttemptRun:
 
     def _start_prefill(self, prefill: EngineLoad, kv_params: dict[str, Any]) -> None:
         params = self.plan_params_for_prefill()
+        for fault in PREFILL_FAULTS & self.faults.keys():
+            kv_params = {**kv_params, f"debug_{fault}": self.faults[fault]}
         request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, params, kv_params)
         self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))
         response = self.executor.pool.handles[prefill.name].run.remote(request)

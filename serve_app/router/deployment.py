@@ -124,7 +124,7 @@ class Router:
         ``stream`` field says; a bad request yields one error event."""
         route = route_of(request)
         try:
-            parsed = parse_request(route, {**request, "stream": True}, self.ctx)
+            parsed = parse_request(route, {**request, "stream": True}, self.ctx, self.config.debug_faults)
         except OpenAIError as exc:
             self._count(route, exc.status)
             yield exc.body()
@@ -145,7 +145,7 @@ class Router:
         route = route_of(request)
         body = {k: v for k, v in request.items() if k != "stream_options"}
         try:
-            parsed = parse_request(route, {**body, "stream": False}, self.ctx)
+            parsed = parse_request(route, {**body, "stream": False}, self.ctx, self.config.debug_faults)
         except OpenAIError as exc:
             self._count(route, exc.status)
             return exc.body()
@@ -188,7 +188,7 @@ class Router:
 
     async def _http(self, route: Route, request: Request) -> Response:
         try:
-            parsed = parse_request(route, decode_json(await request.body()), self.ctx)
+            parsed = parse_request(route, decode_json(await request.body()), self.ctx, self.config.debug_faults)
         except OpenAIError as exc:
             self._count(route, exc.status)
             return JSONResponse(exc.body(), exc.status)

@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from serve_app.protocol import DEBUG_FAULTS
+
 Route = Literal["completions", "chat"]
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -85,6 +87,7 @@ class ParsedRequest:
     min_tokens: int
     logprobs: int | None  # top-k per token; None when not requested
     return_token_ids: bool
+    debug: dict[str, Any] | None = None  # injected faults (`pd_debug`), when the app allows them
 
 
 def decode_json(raw: bytes) -> Any:
@@ -99,9 +102,10 @@ def route_of(body: Any) -> Route:
     return "chat" if isinstance(body, dict) and "messages" in body else "completions"
 
 
-def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
+def parse_request(route: Route, body: Any, ctx: ModelContext, allow_debug: bool = False) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
+    debug = _debug_faults(body.get("pd_debug"), allow_debug)
     if route == "chat":
         if "messages" not in body:
             raise bad_request("'messages' is a required property", param="messages")
@@ -166,7 +170,18 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         min_tokens=int(request.min_tokens or 0),
         logprobs=logprobs,
         return_token_ids=bool(request.return_token_ids),
+        debug=debug,
     )
+
+
+def _debug_faults(value: Any, allowed: bool) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not allowed:
+        raise bad_request("pd_debug is disabled on this server (app config debug_faults)", param="pd_debug")
+    if not isinstance(value, dict) or not set(value) <= DEBUG_FAULTS:
+        raise bad_request(f"pd_debug must be an object with keys among {sorted(DEBUG_FAULTS)}", param="pd_debug")
+    return dict(value)
 
 
 def _validate(route: Route, body: dict[str, Any]) -> Any:

@@ -75,7 +75,8 @@ class ResponseSession:
         """(HTTP status, body) of a non-streaming request."""
         async for emission in self.emissions():
             if emission.error is not None:
-                return self.status, self._error(emission)
+                body = self._error(emission)
+                return self.status, body
         m = self.machine
         return 200, self.framer.final(
             text=m.text,
@@ -111,7 +112,7 @@ class ResponseSession:
                     len(plan.prompt_token_ids),
                     plan.max_tokens,
                 )
-                async with aclosing(self.executor.run(plan, self.request.sampling_params)) as events:
+                async with aclosing(self.executor.run(plan, self.request.sampling_params, self.request.debug)) as events:
                     while True:
                         step = await self._next_step(events, deadline)
                         if step is None:

@@ -124,3 +124,66 @@ def _engine_idle(engine: dict[str, Any]) -> bool:
         and engine["engine_waiting"] == 0
         and engine["kv_usage"] == 0.0
     )
+
+
+def metric_lines(port: int) -> list[str]:
+    """pd-serve's lines on Ray's Prometheus endpoint."""
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return [line for line in text.splitlines() if line.startswith("ray_pd_")]
+
+
+def post(app: DeployedApp, path: str, body: dict[str, Any], timeout: float = 180) -> requests.Response:
+    return requests.post(app.base_url + path, json=body, timeout=timeout)
+
+
+def completion_ids(app: DeployedApp, prompt: Any, max_tokens: int = 12, **extra: Any) -> tuple[str, list[int]]:
+    """(response id, output token ids) of a greedy completion through the HTTP API."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    response = post(app, "/v1/completions", {**body, **extra})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    return data["id"], data["choices"][0]["token_ids"]
+
+
+def engine_handles(app: DeployedApp, role: str) -> dict[str, Any]:
+    from ray import serve
+
+    from serve_app.config import load_config
+
+    config = load_config(app.args)
+    count = getattr(config, role).replicas
+    return {f"{role}-{i}": serve.get_deployment_handle(f"{role}-{i}", app.name) for i in range(count)}
+
+
+def inspect(app: DeployedApp, role: str, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Every engine of ``role``'s records for these attempt ids."""
+    return {name: h.inspect.remote(ids).result(timeout_s=30) for name, h in engine_handles(app, role).items()}
+
+
+def wait_healthy(app: DeployedApp, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        snap = app.snapshot()["engines"]
+        if all(e["healthy"] for e in snap.values()):
+            return
+        time.sleep(1)
+    raise TimeoutError(f"engines of {app.name} not healthy again within {timeout_s}s")
+
+
+BASELINE_ARGS = {
+    "served_model_name": "tiny-llama",
+    "max_model_len": 2048,
+    "prefill": {"replicas": 0},
+    "decode": {"replicas": 1, "num_cpus": 0.1},
+    "router": {"mode": "colocated", "num_cpus": 0.05},
+}
+
+
+@pytest.fixture(scope="session")
+def baseline_app(cluster: Cluster) -> Iterator[DeployedApp]:
+    """Colocated, one decode engine, no KV pressure: the reference for token-exact checks."""
+    from ray import serve
+
+    app = deploy(cluster, "baseline", "/baseline", BASELINE_ARGS)
+    yield app
+    serve.delete(app.name)

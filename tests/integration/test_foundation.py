@@ -11,7 +11,7 @@ import openai
 import pytest
 import requests
 
-from tests.integration.conftest import deploy, serve_yaml_app, wait_idle
+from tests.integration.conftest import deploy, metric_lines, serve_yaml_app, wait_idle
 
 pytestmark = pytest.mark.engine
 
@@ -200,11 +200,6 @@ def test_client_disconnect_mid_stream_releases_everything(app):
         busy = app.snapshot()
         assert busy["router"]["inflight"] == 1
     wait_idle(app)
-
-
-def metric_lines(port: int) -> list[str]:
-    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return [line for line in text.splitlines() if line.startswith("ray_pd_")]
 
 
 def test_metrics_exported_after_traffic(app, client, cluster):

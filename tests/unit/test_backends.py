@@ -87,3 +87,17 @@ def test_cpu_bind_list_and_nobind():
     assert specs["decode-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert specs["decode-1"].env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert specs["prefill-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_cpu_engines_load_the_layerwise_connector_when_prefill_engines_exist():
+    specs = specs_by_name({"prefill": {"replicas": 1}, "decode": {"replicas": 2}, "debug_faults": True})
+    prefill = specs["prefill-0"].engine_kwargs["kv_transfer_config"]
+    decode = specs["decode-1"].engine_kwargs["kv_transfer_config"]
+    assert prefill["kv_connector"] == decode["kv_connector"] == "LayerwisePushConnector"
+    assert prefill["kv_connector_module_path"] == "serve_app.kv.layerwise_connector"
+    assert (prefill["kv_role"], decode["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert decode["kv_port"] == specs["decode-1"].kv_port and decode["kv_connector_extra_config"]["allow_debug_faults"]
+    colocated = specs_by_name({"prefill": {"replicas": 0}, "router": {"mode": "colocated"}})
+    assert "kv_transfer_config" not in colocated["decode-0"].engine_kwargs
+    production = specs_by_name({})
+    assert "allow_debug_faults" not in production["decode-0"].engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
