@@ -44,7 +44,8 @@ CPU = Backend(
     name="cpu",
     kv_connector="LayerwisePushConnector",
     kv_connector_module_path="serve_app.kv.layerwise_connector",
-    recompute_via=None,
+    recompute_via="scheduler_cls",
+    recompute_scheduler_cls="serve_app.kv.recompute_scheduler.RecomputeScheduler",
     engine_defaults={
         # Compiling costs ~30 s per engine start on this class of host and gains little here.
         "enforce_eager": True,

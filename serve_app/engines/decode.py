@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from serve_app.engines.backends import EngineSpec
-from serve_app.engines.metaserver import MetaserverRelay
+from serve_app.engines.metaserver import MetaserverRelay, with_relay
 from serve_app.engines.server import EngineServer
 from serve_app.protocol import EngineEvent, EngineRequest, KVReady
 
@@ -28,7 +28,7 @@ class Decode(EngineServer):
             async for delta in self.runner.generate(request):
                 yield delta
             return
-        request.kv_transfer_params = {**params, "metaserver": self.relay.url}
+        request.kv_transfer_params = with_relay(params, self.relay.url)
         kv_ready = self.relay.expect(request.request_id)
         stream = self.runner.generate(request)
         next_delta: asyncio.Future = asyncio.ensure_future(anext(stream))

@@ -29,6 +29,14 @@ logger = logging.getLogger("pd_serve.engine")
 PATH = "/v1/metaserver"
 
 
+def with_relay(kv_transfer_params: dict[str, Any], relay_url: str) -> dict[str, Any]:
+    """The decode engine's kv_transfer_params: the router's decode-first parameters
+    (``do_remote_prefill=True, do_remote_decode=False, request_id``) plus this replica's relay as
+    ``metaserver``, which is all either connector (ours, or vllm-ascend's
+    MooncakeLayerwiseConnector) needs to call back once it has allocated blocks."""
+    return {**kv_transfer_params, "metaserver": relay_url}
+
+
 class _QuietServer(uvicorn.Server):
     """uvicorn inside a Serve replica: the replica's process owns the signal handlers."""
 

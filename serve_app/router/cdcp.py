@@ -87,6 +87,7 @@ class AttemptExecutor:
             return
         params = params_template.clone()
         params.max_tokens = plan.max_tokens
+        params.min_tokens = plan.min_tokens
         faults = debug if debug and plan.number <= int(debug.get("attempts", 1)) else {}
         kv_params = None
         if plan.disaggregated:

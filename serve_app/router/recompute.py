@@ -48,6 +48,7 @@ class AttemptPlan:
     max_tokens: int
     disaggregated: bool
     avoid: frozenset[str] = frozenset()  # engines (either role) not preferred: the last one that failed
+    min_tokens: int = 0  # what is left of the request's min_tokens
 
 
 @dataclass
@@ -147,6 +148,7 @@ class RecomputeStateMachine:
             max_tokens=self.remaining,
             disaggregated=disaggregated,
             avoid=avoid,
+            min_tokens=max(0, self.min_tokens - len(self.output_token_ids)),
         )
         self.phase = Phase.AWAITING_KV if disaggregated else Phase.DECODING
         return self.current

@@ -155,9 +155,10 @@ def engine_handles(app: DeployedApp, role: str) -> dict[str, Any]:
     return {f"{role}-{i}": serve.get_deployment_handle(f"{role}-{i}", app.name) for i in range(count)}
 
 
-def inspect(app: DeployedApp, role: str, ids: list[str]) -> dict[str, dict[str, Any]]:
-    """Every engine of ``role``'s records for these attempt ids."""
-    return {name: h.inspect.remote(ids).result(timeout_s=30) for name, h in engine_handles(app, role).items()}
+def inspect(app: DeployedApp, role: str, ids: list[str], skip: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Every engine of ``role``'s records for these attempt ids (engines in ``skip`` left out)."""
+    handles = engine_handles(app, role)
+    return {name: h.inspect.remote(ids).result(timeout_s=30) for name, h in handles.items() if name not in skip}
 
 
 def wait_healthy(app: DeployedApp, timeout_s: float = 240) -> None:

@@ -154,6 +154,24 @@ def test_concurrent_requests_use_every_engine_and_release_everything(app, baseli
     assert all(e["kv_usage"] == 0.0 and e["engine_inflight"] == 0 for e in snap["engines"].values())
 
 
+def test_disaggregation_metrics_are_exported_per_engine(app, cluster):
+    completion_ids(app, pattern(333, seed=71))
+    wanted = [
+        ("ray_pd_kv_ready_seconds_bucket{", ""),
+        ("ray_pd_prefill_seconds_bucket{", ""),
+        *[("ray_pd_inflight{", f'engine="{name}"') for name in ("prefill-0", "prefill-1", "decode-0", "decode-1")],
+        *[("ray_pd_engine_kv_usage{", f'engine="{name}"') for name in ("prefill-0", "prefill-1", "decode-0", "decode-1")],
+    ]
+    deadline = time.monotonic() + 90
+    missing = wanted
+    while missing and time.monotonic() < deadline:
+        lines = metric_lines(cluster.metrics_port)
+        missing = [(name, tag) for name, tag in missing if not any(l.startswith(name) and tag in l for l in lines)]
+        time.sleep(2)
+    assert not missing, f"not exported: {missing}"
+    wait_idle(app)
+
+
 def test_failing_prefill_is_retried_on_another_engine(app, baseline_app):
     prompt = pattern(400, seed=21)
     response_id, got = completion_ids(app, prompt, pd_debug={"prefill_raise": True})
@@ -220,7 +238,7 @@ def test_prefill_killed_mid_push_then_all_prefill_down_falls_back(app, baseline_
     response_id, got = result["value"]  # type: ignore[misc]
     assert got == want
     second = response_id + "-2"
-    served = [name for name, p in inspect(app, "prefill", [second]).items() if p["transfers"][second]]
+    served = [name for name, p in inspect(app, "prefill", [second], skip=(victim,)).items() if p["transfers"][second]]
     assert served and served[0] != victim
     # The decode request of the broken attempt was aborted and its blocks freed.
     deadline = time.monotonic() + 15

@@ -101,3 +101,26 @@ def test_cpu_engines_load_the_layerwise_connector_when_prefill_engines_exist():
     assert "kv_transfer_config" not in colocated["decode-0"].engine_kwargs
     production = specs_by_name({})
     assert "allow_debug_faults" not in production["decode-0"].engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+
+
+def test_cpu_decode_engines_use_the_recompute_scheduler():
+    specs = specs_by_name({"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    assert specs["decode-0"].engine_kwargs["scheduler_cls"] == "serve_app.kv.recompute_scheduler.RecomputeScheduler"
+    assert "scheduler_cls" not in specs["prefill-0"].engine_kwargs
+    off = specs_by_name({"decode": {"recompute": False}})
+    assert "scheduler_cls" not in off["decode-0"].engine_kwargs
+
+
+def test_decode_hands_either_connector_the_relay_as_metaserver():
+    """Ascend parity: the same decode deployment serves both backends. What reaches the engine is
+    vllm-ascend's decode-first request (its layerwise proxy sends do_remote_prefill=True,
+    do_remote_decode=False and a metaserver URL), with the replica's own relay as that URL."""
+    from serve_app.engines.metaserver import with_relay
+
+    router_params = {"do_remote_prefill": True, "do_remote_decode": False, "request_id": "cmpl-1-1"}
+    params = with_relay(router_params, "http://127.0.0.1:5555/v1/metaserver")
+    assert params == {**router_params, "metaserver": "http://127.0.0.1:5555/v1/metaserver"}
+    assert router_params.get("metaserver") is None  # the router's dict is left alone
+    for backend in ("cpu", "ascend"):
+        decode = specs_by_name({"backend": backend})["decode-0"].engine_kwargs["kv_transfer_config"]
+        assert decode["kv_role"] == "kv_consumer"

@@ -275,3 +275,14 @@ def test_non_stream_response_without_engine_usage_is_stitched_from_counted_token
     assert final["usage"]["completion_tokens"] == 5
     assert final["usage"]["prompt_tokens"] == len(parsed.prompt_token_ids)
     assert final["id"] == parsed.response_id
+
+
+def test_min_tokens_left_shrinks_across_attempts():
+    m = machine(max_tokens=20, min_tokens=5)
+    assert m.start_attempt(False).min_tokens == 5
+    m.on_delta(delta(0, 1, 2))
+    m.on_delta(recomputed())
+    assert m.start_attempt(False).min_tokens == 2
+    m.on_delta(delta(3, 4, 5))
+    m.on_delta(recomputed())
+    assert m.start_attempt(False).min_tokens == 0

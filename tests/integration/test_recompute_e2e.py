@@ -1,0 +1,220 @@
+"""Recompute on real vLLM CPU engines: decode engines with a deliberately tiny KV cache give
+requests back (stop_reason 'recomputed') and the router resumes them token for token; a decode
+replica killed mid-stream is resumed the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import requests
+
+from tests.integration.conftest import deploy, free_port, inspect, metric_lines, post, wait_healthy, wait_idle
+
+pytestmark = pytest.mark.engine
+
+BLOCK_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # tokens/block * layers * (K,V) * kv heads * head_dim * fp32
+ARGS = {
+    "served_model_name": "tiny-llama",
+    "max_model_len": 2048,
+    "engine_kwargs": {"max_num_batched_tokens": 2048},
+    "prefill": {"replicas": 1, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 64 << 20}},
+    # 16 usable blocks (2048 tokens) per decode engine: the least vLLM accepts for max_model_len.
+    "decode": {"replicas": 2, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 17 * BLOCK_BYTES}},
+    "router": {
+        "mode": "disaggregated",
+        "num_cpus": 0.1,
+        "max_attempts": 24,
+        "timeouts": {"kv_ready_s": 300, "prefill_s": 60, "first_token_s": 300, "request_s": 900},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def app(cluster):
+    from ray import serve
+
+    args = {**ARGS, "kv_port_base": (free_port() // 16) * 16 % 50000 + 10000}
+    deployed = deploy(cluster, "pressure", "/pressure", args)
+    yield deployed
+    serve.delete(deployed.name)
+
+
+def pattern(length: int, seed: int) -> list[int]:
+    return [(seed * 37 + i * 29 + (i * i) % 11) % 900 + 20 for i in range(length)]
+
+
+def call(app, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One request, streamed or not; returns id, token ids, text, finish_reason, usage, logprobs."""
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    body = {**body, "temperature": 0, "return_token_ids": True}
+    if not body.get("stream"):
+        response = post(app, path, body, timeout=900)
+        assert response.status_code == 200, response.text
+        data = response.json()
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if route == "chat" else choice["text"]
+        return {
+            "id": data["id"],
+            "tokens": choice["token_ids"],
+            "text": text,
+            "finish": choice["finish_reason"],
+            "usage": data["usage"],
+            "logprobs": choice.get("logprobs"),
+        }
+    body["stream_options"] = {"include_usage": True}
+    out: dict[str, Any] = {"tokens": [], "text": "", "finish": None, "roles": 0, "ids": set(), "logprob_count": 0}
+    with requests.post(app.base_url + path, json=body, stream=True, timeout=900) as response:
+        assert response.status_code == 200, response.text
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            out["ids"].add(chunk["id"])
+            if chunk.get("usage"):
+                out["usage"] = chunk["usage"]
+            for choice in chunk["choices"]:
+                delta = choice.get("delta", {})
+                out["roles"] += 1 if delta.get("role") else 0
+                out["text"] += delta.get("content", "") if route == "chat" else choice.get("text", "")
+                out["tokens"] += choice.get("token_ids") or []
+                out["finish"] = choice.get("finish_reason") or out["finish"]
+                lp = choice.get("logprobs")
+                if lp:
+                    out["logprob_count"] += len(lp["content"] if route == "chat" else lp["tokens"])
+    (out["id"],) = out["ids"]
+    return out
+
+
+def cases() -> list[tuple[str, dict[str, Any]]]:
+    messages = lambda seed: [{"role": "user", "content": " ".join(f"w{(seed * 7 + i) % 97}" for i in range(60))}]
+    return [
+        ("completions", {"prompt": pattern(260, 1), "max_tokens": 700, "ignore_eos": True}),
+        ("completions", {"prompt": pattern(300, 2), "max_tokens": 650, "ignore_eos": True, "stream": True}),
+        ("chat", {"messages": messages(3), "max_completion_tokens": 600, "ignore_eos": True}),
+        ("chat", {"messages": messages(4), "max_tokens": 620, "ignore_eos": True, "stream": True}),
+        ("completions", {"prompt": pattern(220, 5), "max_tokens": 640, "ignore_eos": True, "logprobs": 2}),
+        ("chat", {"messages": messages(6), "max_completion_tokens": 600, "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 1}),
+        ("completions", {"prompt": pattern(280, 7), "max_tokens": 600, "ignore_eos": True, "stream": True}),
+        ("completions", {"prompt": pattern(240, 8), "max_tokens": 660, "ignore_eos": True}),
+    ]
+
+
+def test_recompute_under_kv_pressure_is_token_exact(app, baseline_app, cluster):
+    work = cases()
+    results: dict[int, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = call(app, *work[i])
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=900)
+    assert not errors, errors
+    assert len(results) == len(work)
+
+    for i, (route, body) in enumerate(work):
+        want = call(baseline_app, route, {**body, "stream": False})
+        got = results[i]
+        assert got["tokens"] == want["tokens"], f"case {i}: resumed output differs from colocated"
+        assert got["text"] == want["text"]
+        assert got["finish"] == want["finish"] == "length"
+        assert got["usage"] == want["usage"]  # original prompt + all output tokens
+        if body.get("stream"):
+            assert got["roles"] == (1 if route == "chat" else 0)
+        if body.get("logprobs"):
+            count = got["logprob_count"] if body.get("stream") else len(
+                got["logprobs"]["content"] if route == "chat" else got["logprobs"]["tokens"]
+            )
+            assert count == len(got["tokens"])
+
+    # Recomputes really happened, and some request needed more than one attempt.
+    second_attempts = [results[i]["id"] + "-2" for i in results]
+    decode = inspect(app, "decode", second_attempts)
+    resumed = {a for a in second_attempts for d in decode.values() if d["requests"][a] is not None}
+    assert resumed, "no request took a second attempt"
+    deadline = time.monotonic() + 60
+    while True:
+        lines = metric_lines(cluster.metrics_port)
+        total = sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith("ray_pd_recompute_total{"))
+        if total > 0:
+            break
+        assert time.monotonic() < deadline, "pd_recompute_total stayed at 0"
+        time.sleep(2)
+    assert any(l.startswith("ray_pd_recompute_wasted_tokens_total{") for l in lines)
+    assert any(l.startswith("ray_pd_attempts_per_request_bucket{") for l in lines)
+    wait_idle(app)
+
+
+def test_stop_string_across_attempts_under_pressure(app, baseline_app):
+    """A stop string taken from the reference output far enough in that attempts have ended
+    before it: the response still stops exactly there."""
+    body = {"prompt": pattern(250, 9), "max_tokens": 640, "ignore_eos": True}
+    reference = call(baseline_app, "completions", body)["text"]
+    stop = reference[len(reference) * 3 // 4 :][:6]
+    assert stop.strip(), "pick a visible stop string"
+    expected = reference[: reference.index(stop)]
+    pressure = [threading.Thread(target=call, args=(app, "completions", {"prompt": pattern(300, 20 + k), "max_tokens": 640, "ignore_eos": True})) for k in range(4)]
+    for t in pressure:
+        t.start()
+    got = call(app, "completions", {**body, "stop": [stop], "stream": True})
+    for t in pressure:
+        t.join(timeout=900)
+    assert got["text"] == expected and got["finish"] == "stop"
+    wait_idle(app)
+
+
+def busy_decode(app, timeout_s: float = 30) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, engine in app.snapshot()["engines"].items():
+            if engine["role"] == "decode" and engine["router_inflight"] > 0:
+                return name
+        time.sleep(0.05)
+    raise TimeoutError("no decode engine busy")
+
+
+def test_killed_decode_replica_mid_stream_is_resumed_elsewhere(app, baseline_app):
+    body = {"prompt": pattern(120, 11), "max_tokens": 500, "ignore_eos": True}
+    want = call(baseline_app, "completions", body)
+    text, tokens, finish, ids = "", [], None, set()
+    killed = None
+    with requests.post(
+        app.base_url + "/v1/completions",
+        json={**body, "temperature": 0, "return_token_ids": True, "stream": True},
+        stream=True,
+        timeout=600,
+    ) as response:
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            ids.add(chunk["id"])
+            choice = chunk["choices"][0]
+            text += choice["text"]
+            tokens += choice.get("token_ids") or []
+            finish = choice.get("finish_reason") or finish
+            if killed is None and len(tokens) >= 60:
+                killed = busy_decode(app)
+                pid = inspect(app, "decode", [])[killed]["pid"]
+                os.kill(pid, signal.SIGKILL)
+    assert killed is not None and len(ids) == 1
+    assert tokens == want["tokens"] and text == want["text"] and finish == "length"
+    (response_id,) = ids
+    resumed = inspect(app, "decode", [response_id + "-2"], skip=(killed,))
+    assert any(d["requests"][response_id + "-2"] for d in resumed.values())
+    wait_healthy(app)
+    wait_idle(app)
