@@ -433,7 +433,7 @@ class _ProducerWorker:
             header = {"type": "layer", "transfer": tid, "layer": layer, "block_ids": spec.remote_block_ids}
             try:
                 self.sender.send(spec.host, spec.port, header, data)
-            except OSError as exc:
+            except Exception as exc:  # never fail the forward: fail the transfer
                 self._broken[tid] = f"push to {spec.host}:{spec.port} failed: {exc!r}"
                 logger.warning("transfer %s: %s", tid, self._broken[tid])
                 continue

@@ -44,7 +44,7 @@ def encode(header: dict[str, Any], tensor: torch.Tensor | None = None) -> list[b
         tensor = tensor.contiguous()
         header = {**header, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
         # A flat byte view of the tensor's memory: len() is its size in bytes, no copy made.
-        payload: bytes | memoryview = memoryview(tensor.reshape(-1).numpy()).cast("B") if tensor.numel() else b""
+        payload: bytes | memoryview = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
     else:
         payload = b""
     head = json.dumps(header, separators=(",", ":")).encode()

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,34 @@ def deploy(cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any],
             pass
         time.sleep(1)
     raise TimeoutError(f"app {name} did not become healthy within {timeout_s}s")
+
+
+@contextmanager
+def deployed(cluster: Cluster, name: str, args: dict[str, Any]) -> Iterator[DeployedApp]:
+    """An app at /<name> for the duration of a module, on KV ports of its own."""
+    from ray import serve
+
+    app = deploy(cluster, name, f"/{name}", {**args, "kv_port_base": (free_port() // 16) * 16 % 50000 + 10000})
+    try:
+        yield app
+    finally:
+        serve.delete(app.name)
+
+
+def token_pattern(length: int, seed: int) -> list[int]:
+    """A prompt of token ids that only this seed produces (so no engine has it cached by chance)."""
+    return [(seed * 131 + i * 17 + (i * i) % 7) % 900 + 20 for i in range(length)]
+
+
+def busy_engine(app: DeployedApp, role: str, timeout_s: float = 30) -> str:
+    """The engine of ``role`` the router has a call in flight on."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, engine in app.snapshot()["engines"].items():
+            if engine["role"] == role and engine["router_inflight"] > 0:
+                return name
+        time.sleep(0.05)
+    raise TimeoutError(f"no {role} engine busy")
 
 
 def serve_yaml_app() -> dict[str, Any]:

@@ -11,13 +11,14 @@ import time
 import pytest
 
 from tests.integration.conftest import (
+    busy_engine,
     completion_ids,
-    deploy,
-    free_port,
+    deployed,
     inspect,
     metric_lines,
     post,
     wait_healthy,
+    token_pattern,
     wait_idle,
 )
 
@@ -45,28 +46,20 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def app(cluster):
-    from ray import serve
+    with deployed(cluster, "pd2x2", ARGS) as app:
+        yield app
 
-    args = {**ARGS, "kv_port_base": (free_port() // 16) * 16 % 50000 + 10000}
-    deployed = deploy(cluster, "pd2x2", "/pd2x2", args)
-    yield deployed
-    serve.delete(deployed.name)
-
-
-def pattern(length: int, seed: int) -> list[int]:
-    """A prompt of token ids no other test uses (so no engine has it cached by accident)."""
-    return [(seed * 131 + i * 17 + (i * i) % 7) % 900 + 20 for i in range(length)]
 
 
 LENGTHS = [1, 5, 64, 127, 128, 129, 200, 255, 256, 257, 384, 500, 640, 700, 1000, 1500]
 
 
 def test_token_exact_versus_colocated_and_kv_really_transferred(app, baseline_app):
-    shared = pattern(300, seed=1)
-    prompts = [pattern(n, seed=100 + n) for n in LENGTHS]
+    shared = token_pattern(300, seed=1)
+    prompts = [token_pattern(n, seed=100 + n) for n in LENGTHS]
     # A prefix already cached on decode: the same 300 tokens, then different tails. Sent after
     # the shared prompt itself, both decode engines hold its blocks by the time the tails come.
-    prompts += [shared, shared] + [shared + pattern(k, seed=200 + k) for k in (1, 40, 128, 300)]
+    prompts += [shared, shared] + [shared + token_pattern(k, seed=200 + k) for k in (1, 40, 128, 300)]
     assert len(prompts) >= 20
     ids = []
     for prompt in prompts:
@@ -104,7 +97,7 @@ def test_token_exact_versus_colocated_and_kv_really_transferred(app, baseline_ap
 
 
 def test_corrupted_kv_changes_the_output(app, baseline_app):
-    prompt = pattern(600, seed=7)  # used by this test only: the corrupt KV stays in that cache
+    prompt = token_pattern(600, seed=7)  # used by this test only: the corrupt KV stays in that cache
     _, want = completion_ids(baseline_app, prompt)
     _, corrupted = completion_ids(app, prompt, pd_debug={"corrupt_kv": True})
     assert corrupted != want
@@ -112,7 +105,7 @@ def test_corrupted_kv_changes_the_output(app, baseline_app):
 
 
 def test_one_push_per_layer_and_the_first_before_the_forward_ends(app):
-    prompt = pattern(1800, seed=11)
+    prompt = token_pattern(1800, seed=11)
     response_id, _ = completion_ids(app, prompt, max_tokens=4)
     attempt_id = response_id + "-1"
     records = [p["transfers"][attempt_id] for p in inspect(app, "prefill", [attempt_id]).values()]
@@ -129,7 +122,7 @@ def test_one_push_per_layer_and_the_first_before_the_forward_ends(app):
 
 
 def test_concurrent_requests_use_every_engine_and_release_everything(app, baseline_app):
-    prompts = [pattern(50 + 97 * i, seed=300 + i) for i in range(16)]
+    prompts = [token_pattern(50 + 97 * i, seed=300 + i) for i in range(16)]
     results: dict[int, tuple[str, list[int]]] = {}
 
     def run(i: int) -> None:
@@ -155,7 +148,7 @@ def test_concurrent_requests_use_every_engine_and_release_everything(app, baseli
 
 
 def test_disaggregation_metrics_are_exported_per_engine(app, cluster):
-    completion_ids(app, pattern(333, seed=71))
+    completion_ids(app, token_pattern(333, seed=71))
     wanted = [
         ("ray_pd_kv_ready_seconds_bucket{", ""),
         ("ray_pd_prefill_seconds_bucket{", ""),
@@ -173,7 +166,7 @@ def test_disaggregation_metrics_are_exported_per_engine(app, cluster):
 
 
 def test_failing_prefill_is_retried_on_another_engine(app, baseline_app):
-    prompt = pattern(400, seed=21)
+    prompt = token_pattern(400, seed=21)
     response_id, got = completion_ids(app, prompt, pd_debug={"prefill_raise": True})
     assert got == completion_ids(baseline_app, prompt)[1]
     first, second = response_id + "-1", response_id + "-2"
@@ -188,7 +181,7 @@ def test_failing_prefill_is_retried_on_another_engine(app, baseline_app):
 
 
 def test_lost_metaserver_callback_times_out_and_retries(app, baseline_app):
-    prompt = pattern(256, seed=31)
+    prompt = token_pattern(256, seed=31)
     started = time.monotonic()
     _, got = completion_ids(app, prompt, pd_debug={"skip_metaserver": True})
     assert time.monotonic() - started >= ARGS["router"]["timeouts"]["kv_ready_s"]
@@ -198,7 +191,7 @@ def test_lost_metaserver_callback_times_out_and_retries(app, baseline_app):
 
 def test_lost_callbacks_on_every_attempt_end_in_a_clear_error(app):
     started = time.monotonic()
-    body = {"prompt": pattern(64, seed=41), "max_tokens": 4, "pd_debug": {"skip_metaserver": True, "attempts": 3}}
+    body = {"prompt": token_pattern(64, seed=41), "max_tokens": 4, "pd_debug": {"skip_metaserver": True, "attempts": 3}}
     response = post(app, "/v1/completions", body)
     elapsed = time.monotonic() - started
     timeouts = ARGS["router"]["timeouts"]
@@ -209,19 +202,8 @@ def test_lost_callbacks_on_every_attempt_end_in_a_clear_error(app):
     wait_idle(app)
 
 
-def busy_prefill(app, timeout_s: float = 20) -> str:
-    """The prefill engine the router has a call in flight on."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for name, engine in app.snapshot()["engines"].items():
-            if engine["role"] == "prefill" and engine["router_inflight"] > 0:
-                return name
-        time.sleep(0.05)
-    raise TimeoutError("no prefill call started")
-
-
 def test_prefill_killed_mid_push_then_all_prefill_down_falls_back(app, baseline_app, cluster):
-    prompt = pattern(900, seed=51)
+    prompt = token_pattern(900, seed=51)
     want = completion_ids(baseline_app, prompt)[1]
     result: dict[str, object] = {}
 
@@ -230,7 +212,7 @@ def test_prefill_killed_mid_push_then_all_prefill_down_falls_back(app, baseline_
 
     thread = threading.Thread(target=run)
     thread.start()
-    victim = busy_prefill(app)
+    victim = busy_engine(app, "prefill")
     time.sleep(0.8)  # the first layer is pushed, the second one is not
     pids = {name: info["pid"] for name, info in inspect(app, "prefill", []).items()}
     os.kill(pids[victim], signal.SIGKILL)
@@ -257,7 +239,7 @@ def test_prefill_killed_mid_push_then_all_prefill_down_falls_back(app, baseline_
     while any(e["healthy"] for e in app.snapshot()["engines"].values() if e["role"] == "prefill"):
         assert time.monotonic() < deadline, "router still thinks a killed prefill engine is healthy"
         time.sleep(0.2)
-    fallback_prompt = pattern(300, seed=61)
+    fallback_prompt = token_pattern(300, seed=61)
     assert completion_ids(app, fallback_prompt)[1] == completion_ids(baseline_app, fallback_prompt)[1]
     deadline = time.monotonic() + 60
     while not any(l.startswith("ray_pd_fallback_total{") for l in metric_lines(cluster.metrics_port)):

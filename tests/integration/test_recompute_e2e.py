@@ -14,7 +14,16 @@ from typing import Any
 import pytest
 import requests
 
-from tests.integration.conftest import deploy, free_port, inspect, metric_lines, post, wait_healthy, wait_idle
+from tests.integration.conftest import (
+    busy_engine,
+    deployed,
+    inspect,
+    metric_lines,
+    post,
+    token_pattern,
+    wait_healthy,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -37,16 +46,9 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def app(cluster):
-    from ray import serve
+    with deployed(cluster, "pressure", ARGS) as app:
+        yield app
 
-    args = {**ARGS, "kv_port_base": (free_port() // 16) * 16 % 50000 + 10000}
-    deployed = deploy(cluster, "pressure", "/pressure", args)
-    yield deployed
-    serve.delete(deployed.name)
-
-
-def pattern(length: int, seed: int) -> list[int]:
-    return [(seed * 37 + i * 29 + (i * i) % 11) % 900 + 20 for i in range(length)]
 
 
 def call(app, route: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -95,14 +97,14 @@ def call(app, route: str, body: dict[str, Any]) -> dict[str, Any]:
 def cases() -> list[tuple[str, dict[str, Any]]]:
     messages = lambda seed: [{"role": "user", "content": " ".join(f"w{(seed * 7 + i) % 97}" for i in range(60))}]
     return [
-        ("completions", {"prompt": pattern(260, 1), "max_tokens": 700, "ignore_eos": True}),
-        ("completions", {"prompt": pattern(300, 2), "max_tokens": 650, "ignore_eos": True, "stream": True}),
+        ("completions", {"prompt": token_pattern(260, 1), "max_tokens": 700, "ignore_eos": True}),
+        ("completions", {"prompt": token_pattern(300, 2), "max_tokens": 650, "ignore_eos": True, "stream": True}),
         ("chat", {"messages": messages(3), "max_completion_tokens": 600, "ignore_eos": True}),
         ("chat", {"messages": messages(4), "max_tokens": 620, "ignore_eos": True, "stream": True}),
-        ("completions", {"prompt": pattern(220, 5), "max_tokens": 640, "ignore_eos": True, "logprobs": 2}),
+        ("completions", {"prompt": token_pattern(220, 5), "max_tokens": 640, "ignore_eos": True, "logprobs": 2}),
         ("chat", {"messages": messages(6), "max_completion_tokens": 600, "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 1}),
-        ("completions", {"prompt": pattern(280, 7), "max_tokens": 600, "ignore_eos": True, "stream": True}),
-        ("completions", {"prompt": pattern(240, 8), "max_tokens": 660, "ignore_eos": True}),
+        ("completions", {"prompt": token_pattern(280, 7), "max_tokens": 600, "ignore_eos": True, "stream": True}),
+        ("completions", {"prompt": token_pattern(240, 8), "max_tokens": 660, "ignore_eos": True}),
     ]
 
 
@@ -161,12 +163,12 @@ def test_recompute_under_kv_pressure_is_token_exact(app, baseline_app, cluster):
 def test_stop_string_across_attempts_under_pressure(app, baseline_app):
     """A stop string taken from the reference output far enough in that attempts have ended
     before it: the response still stops exactly there."""
-    body = {"prompt": pattern(250, 9), "max_tokens": 640, "ignore_eos": True}
+    body = {"prompt": token_pattern(250, 9), "max_tokens": 640, "ignore_eos": True}
     reference = call(baseline_app, "completions", body)["text"]
     stop = reference[len(reference) * 3 // 4 :][:6]
     assert stop.strip(), "pick a visible stop string"
     expected = reference[: reference.index(stop)]
-    pressure = [threading.Thread(target=call, args=(app, "completions", {"prompt": pattern(300, 20 + k), "max_tokens": 640, "ignore_eos": True})) for k in range(4)]
+    pressure = [threading.Thread(target=call, args=(app, "completions", {"prompt": token_pattern(300, 20 + k), "max_tokens": 640, "ignore_eos": True})) for k in range(4)]
     for t in pressure:
         t.start()
     got = call(app, "completions", {**body, "stop": [stop], "stream": True})
@@ -176,18 +178,8 @@ def test_stop_string_across_attempts_under_pressure(app, baseline_app):
     wait_idle(app)
 
 
-def busy_decode(app, timeout_s: float = 30) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for name, engine in app.snapshot()["engines"].items():
-            if engine["role"] == "decode" and engine["router_inflight"] > 0:
-                return name
-        time.sleep(0.05)
-    raise TimeoutError("no decode engine busy")
-
-
 def test_killed_decode_replica_mid_stream_is_resumed_elsewhere(app, baseline_app):
-    body = {"prompt": pattern(120, 11), "max_tokens": 500, "ignore_eos": True}
+    body = {"prompt": token_pattern(120, 11), "max_tokens": 500, "ignore_eos": True}
     want = call(baseline_app, "completions", body)
     text, tokens, finish, ids = "", [], None, set()
     killed = None
@@ -208,7 +200,7 @@ def test_killed_decode_replica_mid_stream_is_resumed_elsewhere(app, baseline_app
             tokens += choice.get("token_ids") or []
             finish = choice.get("finish_reason") or finish
             if killed is None and len(tokens) >= 60:
-                killed = busy_decode(app)
+                killed = busy_engine(app, "decode")
                 pid = inspect(app, "decode", [])[killed]["pid"]
                 os.kill(pid, signal.SIGKILL)
     assert killed is not None and len(ids) == 1
