@@ -38,7 +38,6 @@ class Decode(EngineServer):
             await asyncio.wait({kv_ready, next_delta}, return_when=asyncio.FIRST_COMPLETED)
             if kv_ready.done() and not kv_ready.cancelled():
                 yield KVReady(kv_ready.result())
-            self.relay.forget(request.request_id)
             while True:
                 try:
                     delta = await next_delta
@@ -57,6 +56,6 @@ class Decode(EngineServer):
 
     def __del__(self) -> None:
         relay = getattr(self, "relay", None)
-        if relay is not None and relay._server is not None:
-            relay._server.should_exit = True
+        if relay is not None:
+            relay.close()
         super().__del__()

@@ -92,9 +92,13 @@ class MetaserverRelay:
         future.set_result(body)
         return JSONResponse({"status": "ok"})
 
-    async def stop(self) -> None:
+    def close(self) -> None:
+        """Ask the server to exit (from sync code too, e.g. a replica's ``__del__``)."""
         if self._server is not None:
             self._server.should_exit = True
+
+    async def stop(self) -> None:
+        self.close()
         if self._task is not None:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(self._task, 5)

@@ -75,8 +75,7 @@ class ResponseSession:
         """(HTTP status, body) of a non-streaming request."""
         async for emission in self.emissions():
             if emission.error is not None:
-                body = self._error(emission)
-                return self.status, body
+                return emission.error_status, self._error(emission)
         m = self.machine
         return 200, self.framer.final(
             text=m.text,
