@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_HOST_IP := 127.0.0.1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup run test test-fast clean
+.PHONY: setup run test test-fast lint clean
 
 setup: $(INSTALLED) $(MODEL)
 
@@ -33,11 +33,14 @@ $(MODEL): scripts/make_tiny_model.py scripts/tiny_corpus.txt | $(INSTALLED)
 run: setup
 	$(VENV)/bin/serve run $(CONFIG)
 
-test: setup
+test: setup lint
 	$(VENV)/bin/pytest
 
-test-fast: setup
+test-fast: setup lint
 	$(VENV)/bin/pytest -m "not engine"
+
+lint: setup
+	$(VENV)/bin/ruff check serve_app tests scripts
 
 clean:
 	rm -rf $(VENV) .cache

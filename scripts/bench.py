@@ -127,7 +127,9 @@ def main(argv: list[str]) -> int:
         for name, url in urls.items():
             run_load(url, prompts[-2:], 4, 2)
             report[name] = run_load(url, prompts[:-2], args.max_tokens, args.concurrency)
-        print(f"{args.requests} requests, concurrency {args.concurrency}, {args.prompt_tokens} prompt tokens, {args.max_tokens} output tokens")
+        print(
+            f"{args.requests} requests, concurrency {args.concurrency}, {args.prompt_tokens} prompt tokens, {args.max_tokens} output tokens"
+        )
         print(f"{'metric':<14}{'disaggregated':>15}{'colocated':>12}{'ratio':>9}")
         for metric in ("ttft_p50", "ttft_p90", "tpot_p50", "tokens_per_s"):
             d, c = report["disaggregated"][metric], report["colocated"][metric]

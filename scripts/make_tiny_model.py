@@ -63,9 +63,7 @@ def build_tokenizer(out_dir: Path) -> int:
     # Like Llama: BOS is prepended when special tokens are added (completions); chat prompts get
     # it from the template instead.
     bos_id = tokenizer.token_to_id("<s>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
-    )
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)])
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

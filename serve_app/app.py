@@ -8,17 +8,37 @@ config, so the whole app fits a small host, and engine replicas get their enviro
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve import Application
 
 from serve_app.config import load_config
-from serve_app.engines.backends import BACKENDS, engine_specs
+from serve_app.engines.backends import BACKENDS, EngineSpec, engine_specs
 
 ENGINE_MAX_ONGOING_REQUESTS = 1024
 
 
+@dataclass(frozen=True)
+class Plugins:
+    """Replacement classes, from Python only (never from the config file): the deployments to run
+    the engines with, and the KV connector class (``module:Class``) the engines load. The tests
+    use them to put fault-injecting subclasses in place; production code paths carry no test
+    branches."""
+
+    prefill_cls: Any = None
+    decode_cls: Any = None
+    kv_connector: str | None = None
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
+    """The application of ``configs/serve.yaml`` (Serve calls app builders with the args alone)."""
+    return build_app_with(args, Plugins())
+
+
+def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application:
+    """``build_app`` with replacement classes, for Python callers (the tests)."""
     from serve_app.engines.decode import Decode
     from serve_app.engines.prefill import Prefill
     from serve_app.router.deployment import Router
@@ -26,7 +46,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     config = load_config(args)
     engines = {}
     for spec in engine_specs(config):
-        deployment = Prefill if spec.role == "prefill" else Decode
+        if plugins.kv_connector:
+            spec = _with_connector(spec, plugins.kv_connector)
+        deployment = (plugins.prefill_cls or Prefill) if spec.role == "prefill" else (plugins.decode_cls or Decode)
         engines[spec.name] = deployment.options(
             name=spec.name,
             num_replicas=1,
@@ -45,6 +67,15 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         max_ongoing_requests=router.max_ongoing_requests,
         ray_actor_options={
             "num_cpus": router.num_cpus,
-            "runtime_env": {"env_vars": dict(BACKENDS[config.backend].engine_env)},
+            "runtime_env": {"env_vars": dict(BACKENDS[config.backend].router_env)},
         },
     ).bind(config.model_dump(mode="json"), engines)
+
+
+def _with_connector(spec: EngineSpec, connector: str) -> EngineSpec:
+    module, _, cls = connector.partition(":")
+    kwargs = dict(spec.engine_kwargs)
+    if "kv_transfer_config" not in kwargs:
+        return spec
+    kwargs["kv_transfer_config"] = {**kwargs["kv_transfer_config"], "kv_connector": cls, "kv_connector_module_path": module}
+    return dataclasses.replace(spec, engine_kwargs=kwargs)

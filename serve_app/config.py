@@ -29,9 +29,7 @@ class EngineGroupConfig(_Strict):
 
     replicas: int = Field(1, ge=0, le=64, description="number of engines of this role")
     num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per engine replica")
-    engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="vLLM engine arguments for this role (override the backend's)"
-    )
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments for this role (override the backend's)")
     cpu_bind: Literal["auto", "nobind"] | list[str] = Field(
         "auto",
         description=(
@@ -78,26 +76,23 @@ class AppConfig(_Strict):
     model: str = Field(default_factory=lambda: str(DEFAULT_MODEL_DIR))
     served_model_name: str | None = Field(None, description="name clients send as `model`")
     max_model_len: int = Field(2048, ge=16)
-    engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="vLLM engine arguments common to both roles"
-    )
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments common to both roles")
     prefill: EngineGroupConfig = Field(default_factory=EngineGroupConfig)
     decode: DecodeConfig = Field(default_factory=DecodeConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
-    kv_port_base: int = Field(36000, ge=1024, le=65000, description="engine i uses kv_port_base + 16*i")
-    kv_connector_extra_config: dict[str, Any] = Field(
-        default_factory=dict, description="merged into both roles' kv_connector_extra_config"
-    )
-    debug_faults: bool = Field(
-        False,
+    kv_port_base: int = Field(
+        36000,
+        ge=1024,
+        le=65000,
         description=(
-            "accept `pd_debug` in requests to inject faults (corrupt KV, slow push, lost "
-            "metaserver callback, failing prefill); for tests only, never in production"
+            "engine i's KV side channel uses kv_port_base + 16*i; on the cpu backend a port found "
+            "busy at start is replaced by a free one (logged, with the holder's pid)"
         ),
     )
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description="merged into both roles' kv_connector_extra_config")
 
     @model_validator(mode="after")
-    def _check_topology(self) -> "AppConfig":
+    def _check_topology(self) -> AppConfig:
         if self.decode.replicas < 1:
             raise ValueError("decode.replicas must be at least 1: decode engines serve every request")
         if self.router.mode == "disaggregated" and self.prefill.replicas < 1:

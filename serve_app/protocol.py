@@ -17,11 +17,6 @@ Role = Literal["prefill", "decode"]
 RECOMPUTED = "recomputed"
 
 
-# Fault injection, for tests: with the app's `debug_faults: true`, a request may carry
-# `pd_debug: {...}` with these keys; they apply to its first `attempts` attempts (default 1).
-DEBUG_FAULTS = frozenset({"corrupt_kv", "push_delay_s", "skip_metaserver", "prefill_raise", "attempts"})
-
-
 @dataclass(frozen=True)
 class TokenLogprob:
     """The sampled token's logprob and the top alternatives at its position, as
@@ -79,10 +74,29 @@ class PrefillResult:
     request_id: str
     num_prompt_tokens: int
     finish_reason: str | None
-    kv_transfer_params: dict[str, Any] | None = None
+    # The KV connector's record of the push (layers, bytes, times), where the backend's connector
+    # reports one (the CPU backend's does; vllm-ascend's does not).
+    push: dict[str, Any] | None = None
 
 
-EngineEvent = KVReady | TokenDelta
+@dataclass(frozen=True)
+class EngineRejected:
+    """The engine refused the request as invalid (vLLM's input checks, e.g. a ``logit_bias``
+    token outside the vocabulary): the client's fault, answered with a 400, never retried."""
+
+    message: str
+
+
+EngineEvent = KVReady | TokenDelta | EngineRejected
+
+
+@dataclass(frozen=True)
+class KVEndpoint:
+    """Where an engine's KV side channel is: what a KVReady from it must name."""
+
+    engine_id: str
+    host: str
+    port: int
 
 
 @dataclass
@@ -97,6 +111,7 @@ class EngineStats:
     kv_capacity_tokens: int = 0
     inflight: int = 0
     healthy: bool = True
+    kv_endpoint: KVEndpoint | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from serve_app.config import AppConfig, EngineGroupConfig
+from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
 from serve_app.protocol import Role
 
 MiB = 1 << 20
@@ -34,10 +36,24 @@ class Backend:
     recompute_scheduler_cls: str | None = None
     engine_defaults: Mapping[str, Any] = field(default_factory=dict)
     engine_env: Mapping[str, str] = field(default_factory=dict)
+    # The router replica's environment (it loads the tokenizer, never an engine).
+    router_env: Mapping[str, str] = field(default_factory=dict)
     # Whether each engine's OpenMP threads are pinned to host cores (VLLM_CPU_OMP_THREADS_BIND).
     pins_cpu_threads: bool = False
     # Whether the connector's kv_connector_extra_config carries both roles' TP sizes.
     extra_config_has_tp_sizes: bool = False
+    # Whether the prefill engine's connector reports a record per push (so ``Prefill.run`` can
+    # tell a broken push at once).
+    push_records: bool = False
+    # Whether a decode engine may move its KV side channel to a free port when the configured
+    # one is busy (it posts its real port with every KVReady). Mooncake derives several ports
+    # from kv_port, so the Ascend backend fails the start instead, naming the port's holder.
+    kv_port_fallback: bool = False
+    # The fields of a KVReady the router checks against the decode engine it chose.
+    kv_ready_checks: tuple[str, ...] = ("engine_id", "port")
+    # Whether prefill engines listen on their KV port too (Mooncake's handshake does; the CPU
+    # connector's prefill only connects out).
+    prefill_listens: bool = True
 
 
 CPU = Backend(
@@ -59,8 +75,14 @@ CPU = Backend(
         "VLLM_HOST_IP": "127.0.0.1",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        WATCHDOG_ENV: "1",
     },
+    router_env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
     pins_cpu_threads=True,
+    push_records=True,
+    kv_port_fallback=True,
+    prefill_listens=False,
+    kv_ready_checks=("engine_id", "host", "port"),
 )
 
 ASCEND = Backend(
@@ -69,11 +91,13 @@ ASCEND = Backend(
     kv_connector_module_path=None,  # vllm-ascend registers it with vLLM's connector factory
     recompute_via="additional_config",
     engine_defaults={},
-    engine_env={},
+    engine_env={WATCHDOG_ENV: "1"},
     extra_config_has_tp_sizes=True,
 )
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (CPU, ASCEND)}
+
+RECV_DEADLINE_MARGIN_S = 5.0
 
 # Each engine gets its own KV side-channel port block: kv_port_base + index * stride (room for the
 # TP ranks, which listen on kv_port + tp_rank).
@@ -93,7 +117,11 @@ class EngineSpec:
     num_cpus: float
     health_check_period_s: float
     health_check_timeout_s: float
-    debug_faults: bool = False
+    backend: str = "cpu"
+
+    @property
+    def push_records(self) -> bool:
+        return BACKENDS[self.backend].push_records
 
 
 def engine_specs(config: AppConfig) -> list[EngineSpec]:
@@ -114,13 +142,13 @@ def engine_specs(config: AppConfig) -> list[EngineSpec]:
                     name=f"{role}-{i}",
                     role=role,  # type: ignore[arg-type]
                     index=index,
-                    engine_kwargs=build_engine_kwargs(config, backend, role, kv_port=kv_port),  # type: ignore[arg-type]
+                    engine_kwargs=build_engine_kwargs(config, backend, role, kv_port=kv_port, engine_id=f"{role}-{i}"),  # type: ignore[arg-type]
                     env=env,
                     kv_port=kv_port,
                     num_cpus=group.num_cpus,
                     health_check_period_s=group.health_check_period_s,
                     health_check_timeout_s=group.health_check_timeout_s,
-                    debug_faults=config.debug_faults,
+                    backend=backend.name,
                 )
             )
     return specs
@@ -136,7 +164,7 @@ def _thread_binding(cpu_bind: str | list[str], i: int, index: int, ncores: int) 
     return str(index % ncores)
 
 
-def build_engine_kwargs(config: AppConfig, backend: Backend, role: Role, *, kv_port: int) -> dict[str, Any]:
+def build_engine_kwargs(config: AppConfig, backend: Backend, role: Role, *, kv_port: int, engine_id: str) -> dict[str, Any]:
     """vLLM ``AsyncEngineArgs`` keyword arguments for one engine of ``role``.
 
     Precedence: backend defaults < app-wide ``engine_kwargs`` < the role's ``engine_kwargs``; the
@@ -151,7 +179,7 @@ def build_engine_kwargs(config: AppConfig, backend: Backend, role: Role, *, kv_p
     if config.served_model_name:
         kwargs["served_model_name"] = config.served_model_name
     if kv_transfer_enabled(config):
-        kwargs["kv_transfer_config"] = _kv_transfer_config(config, backend, role, kv_port)
+        kwargs["kv_transfer_config"] = _kv_transfer_config(config, backend, role, kv_port, engine_id)
     if role == "decode" and config.decode.recompute and backend.recompute_via is not None:
         _enable_recompute(kwargs, backend)
     return kwargs
@@ -164,19 +192,29 @@ def kv_transfer_enabled(config: AppConfig) -> bool:
     return BACKENDS[config.backend].kv_connector is not None and config.prefill.replicas > 0
 
 
-def _kv_transfer_config(config: AppConfig, backend: Backend, role: Role, kv_port: int) -> dict[str, Any]:
+def recv_timeout_s(config: AppConfig) -> float:
+    """Decode's receive deadline: longer than the router waits for KVReady and then for prefill,
+    so the router's own deadlines (which abort the decode request) always act first and the
+    engine's is only a backstop."""
+    timeouts = config.router.timeouts
+    return timeouts.kv_ready_s + timeouts.prefill_s + RECV_DEADLINE_MARGIN_S
+
+
+def _kv_transfer_config(config: AppConfig, backend: Backend, role: Role, kv_port: int, engine_id: str) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if backend.extra_config_has_tp_sizes:
         extra["prefill"] = {"dp_size": 1, "tp_size": _tp_size(config, "prefill")}
         extra["decode"] = {"dp_size": 1, "tp_size": _tp_size(config, "decode")}
     extra.update(config.kv_connector_extra_config)
-    if config.debug_faults:
-        extra["allow_debug_faults"] = True
+    if backend.push_records:  # pd-serve's own connector
+        extra["recv_timeout_s"] = recv_timeout_s(config)
     assert backend.kv_connector is not None
     ktc: dict[str, Any] = {
         "kv_connector": backend.kv_connector,
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_port": kv_port,
+        # The engine's name: the router checks it in every KVReady (vllm-ascend appends a suffix).
+        "engine_id": engine_id,
         "kv_connector_extra_config": extra,
     }
     if backend.kv_connector_module_path:

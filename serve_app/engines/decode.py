@@ -28,8 +28,8 @@ class Decode(EngineServer):
             async for delta in self.runner.generate(request):
                 yield delta
             return
-        request.kv_transfer_params = with_relay(params, self.relay.url)
-        kv_ready = self.relay.expect(request.request_id)
+        kv_ready, callback_url = self.relay.expect(request.request_id)
+        request.kv_transfer_params = with_relay(params, callback_url)
         stream = self.runner.generate(request)
         next_delta: asyncio.Future = asyncio.ensure_future(anext(stream))
         try:
@@ -50,8 +50,8 @@ class Decode(EngineServer):
             if not next_delta.done():
                 # Cancelling the engine stream aborts the request and frees its blocks.
                 next_delta.cancel()
-                with contextlib.suppress(BaseException):
-                    await next_delta
+            with contextlib.suppress(BaseException):
+                await next_delta  # retrieve its outcome, so no error is left unobserved
             await stream.aclose()
 
     def __del__(self) -> None:

@@ -13,9 +13,11 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
-from serve_app.protocol import EngineRequest, EngineStats, Role, TokenDelta, TokenLogprob
+from serve_app.compat import CLIENT_ERRORS
+from serve_app.protocol import EngineRejected, EngineRequest, EngineStats, Role, TokenDelta, TokenLogprob
 
 logger = logging.getLogger("pd_serve.engine")
 
@@ -43,6 +45,28 @@ class _LoadTracker:
         self.kv_usage = 0.0
         self.updated_at = 0.0
         self.transfers = _Recent()
+        self.kv_counters: dict[str, int] = {}
+        self._waiters: dict[str, asyncio.Event] = {}
+
+    def add_transfers(self, records: dict[str, Any]) -> None:
+        for transfer_id, record in records.items():
+            self.transfers.put(transfer_id, record)
+            waiter = self._waiters.get(transfer_id)
+            if waiter is not None:
+                waiter.set()
+
+    async def transfer_record(self, transfer_id: str, timeout_s: float) -> dict[str, Any] | None:
+        """The connector's record of a transfer, waiting up to ``timeout_s`` for it to arrive
+        (it rides with the engine's stats, usually in the same batch as the request's output)."""
+        if transfer_id not in self.transfers:
+            waiter = self._waiters.setdefault(transfer_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(waiter.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._waiters.pop(transfer_id, None)
+        return self.transfers.get(transfer_id)
 
     def logger_factory(self) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -60,8 +84,8 @@ class _LoadTracker:
                     tracker.kv_usage = float(scheduler_stats.kv_cache_usage)
                     tracker.updated_at = time.monotonic()
                     connector = scheduler_stats.kv_connector_stats or {}
-                    for transfer_id, record in (connector.get("transfers") or {}).items():
-                        tracker.transfers.put(transfer_id, record)
+                    tracker.add_transfers(connector.get("transfers") or {})
+                    tracker.kv_counters.update(connector.get("counters") or {})
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -104,40 +128,48 @@ class EngineRunner:
     def block_size(self) -> int:
         return int(self.llm.vllm_config.cache_config.block_size)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
-        """Stream the request's output as coalesced deltas; leaving early aborts it in the engine."""
-        from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineRejected]:
+        """Stream the request's output as coalesced deltas; leaving early aborts it in the engine.
 
-        params = request.sampling_params.clone()
-        params.output_kind = RequestOutputKind.DELTA
-        # The router detokenizes (one stream across attempts) and matches stop strings itself.
-        params.detokenize = False
-        if request.kv_transfer_params is not None:
-            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": request.kv_transfer_params}
+        A request the engine refuses as invalid yields one ``EngineRejected`` and ends."""
+        from vllm.inputs.engine import tokens_input
+
+        params = engine_sampling_params(request)
         num_logprobs = params.logprobs
         self._inflight[request.request_id] = len(request.prompt_token_ids) + (params.max_tokens or 0)
         record: dict[str, Any] = {"prompt_tokens": len(request.prompt_token_ids), "output_tokens": 0, "finish_reason": None}
         self.requests.put(request.request_id, record)
-        first = True
+        outputs = self.llm.generate(tokens_input(request.prompt_token_ids), params, request.request_id)
         try:
-            outputs = self.llm.generate(tokens_input(request.prompt_token_ids), params, request.request_id)
-            async for out in outputs:
-                delta = _to_delta(out, num_logprobs)
-                if first:
-                    # Prompt tokens this engine did not compute: prefix-cache hits and KV received.
-                    delta.num_cached_tokens = out.num_cached_tokens
-                    record["num_cached_tokens"] = out.num_cached_tokens
-                    first = False
-                record["output_tokens"] += len(delta.token_ids)
-                record["finish_reason"] = delta.finish_reason
-                record["stop_reason"] = delta.stop_reason
-                yield delta
-                if delta.finish_reason is not None:
+            # Closing the engine's stream (however this one ends) aborts the request in vLLM.
+            async with aclosing(outputs):
+                try:
+                    out = await anext(outputs)
+                except CLIENT_ERRORS as exc:
+                    # vLLM checks the request against the model when it is added, before output.
+                    record["finish_reason"] = "rejected"
+                    yield EngineRejected(str(exc))
                     return
-                if self.coalesce_s > 0:
-                    # AsyncLLM merges the steps that arrive meanwhile into the next output.
-                    await asyncio.sleep(self.coalesce_s)
+                except StopAsyncIteration:
+                    return
+                # Prompt tokens this engine did not compute: prefix-cache hits and KV received.
+                record["num_cached_tokens"] = out.num_cached_tokens
+                delta = _to_delta(out, num_logprobs)
+                delta.num_cached_tokens = out.num_cached_tokens
+                while True:
+                    record["output_tokens"] += len(delta.token_ids)
+                    record["finish_reason"] = delta.finish_reason
+                    record["stop_reason"] = delta.stop_reason
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+                    if self.coalesce_s > 0:
+                        # AsyncLLM merges the steps that arrive meanwhile into the next output.
+                        await asyncio.sleep(self.coalesce_s)
+                    try:
+                        delta = _to_delta(await anext(outputs), num_logprobs)
+                    except StopAsyncIteration:
+                        return
         finally:
             self._inflight.pop(request.request_id, None)
 
@@ -157,15 +189,37 @@ class EngineRunner:
             kv_capacity_tokens=self.kv_capacity_tokens,
             inflight=len(self._inflight),
             healthy=self.llm is not None and not self.llm.errored,
+            extra={"kv_side_channel": dict(self._load.kv_counters)} if self._load.kv_counters else {},
         )
 
     def transfers(self) -> dict[str, Any]:
         return dict(self._load.transfers)
 
+    async def transfer_record(self, transfer_id: str, timeout_s: float) -> dict[str, Any] | None:
+        return await self._load.transfer_record(transfer_id, timeout_s)
+
     def shutdown(self) -> None:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+
+
+def engine_sampling_params(request: EngineRequest) -> Any:
+    """The SamplingParams the engine runs: the router's, with the output mode this wrapper needs
+    and ``kv_transfer_params`` exactly as the pd-serve side set it on ``request`` (none for a
+    colocated attempt), whatever ``extra_args`` carried before: nothing a client put there can
+    steer the engine's KV transfer."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = request.sampling_params.clone()
+    params.output_kind = RequestOutputKind.DELTA
+    # The router detokenizes (one stream across attempts) and matches stop strings itself.
+    params.detokenize = False
+    extra = {k: v for k, v in (params.extra_args or {}).items() if k != "kv_transfer_params"}
+    if request.kv_transfer_params is not None:
+        extra["kv_transfer_params"] = dict(request.kv_transfer_params)
+    params.extra_args = extra or None
+    return params
 
 
 def _to_delta(out: Any, num_logprobs: int | None) -> TokenDelta:
@@ -188,7 +242,5 @@ def _to_delta(out: Any, num_logprobs: int | None) -> TokenDelta:
 def _to_token_logprob(token_id: int, position: dict[int, Any], k: int) -> TokenLogprob:
     """vLLM gives the sampled token plus the top-k by rank; the sampled one may rank below k."""
     ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
-    top = tuple(
-        (tid, float(lp.logprob)) for tid, lp in ranked if k < 0 or (lp.rank is not None and lp.rank <= k)
-    )
+    top = tuple((tid, float(lp.logprob)) for tid, lp in ranked if k < 0 or (lp.rank is not None and lp.rank <= k))
     return TokenLogprob(token_id=token_id, logprob=float(position[token_id].logprob), top=top)

@@ -7,6 +7,11 @@ each decode replica receives it on a loopback HTTP endpoint of its own and turns
 event (``KVReady``) of that request's decode stream. So the router replica that holds the stream
 gets the parameters through the stream, whatever the number of router replicas, and no router
 needs an address the engines can reach.
+
+Each waiting request gets its own callback URL, ``<relay>/<token>`` with a random token, and a
+POST is accepted only at that URL and only with that request's id. Anything else on the host
+that can reach the relay's port still cannot answer for a request it was not told about, so it
+cannot redirect a prefill engine's KV push elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -29,12 +35,18 @@ logger = logging.getLogger("pd_serve.engine")
 PATH = "/v1/metaserver"
 
 
-def with_relay(kv_transfer_params: dict[str, Any], relay_url: str) -> dict[str, Any]:
+def with_relay(kv_transfer_params: dict[str, Any], callback_url: str) -> dict[str, Any]:
     """The decode engine's kv_transfer_params: the router's decode-first parameters
-    (``do_remote_prefill=True, do_remote_decode=False, request_id``) plus this replica's relay as
-    ``metaserver``, which is all either connector (ours, or vllm-ascend's
+    (``do_remote_prefill=True, do_remote_decode=False, request_id``) plus this request's relay
+    URL as ``metaserver``, which is all either connector (ours, or vllm-ascend's
     MooncakeLayerwiseConnector) needs to call back once it has allocated blocks."""
-    return {**kv_transfer_params, "metaserver": relay_url}
+    return {**kv_transfer_params, "metaserver": callback_url}
+
+
+class _Waiting:
+    def __init__(self, request_id: str, future: asyncio.Future[dict[str, Any]]) -> None:
+        self.request_id = request_id
+        self.future = future
 
 
 class _QuietServer(uvicorn.Server):
@@ -49,7 +61,8 @@ class MetaserverRelay:
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host
         self.url = ""
-        self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._waiting: dict[str, _Waiting] = {}  # token -> the request it answers for
+        self._tokens: dict[str, str] = {}  # request id -> token
         self._server: _QuietServer | None = None
         self._task: asyncio.Task | None = None
 
@@ -58,38 +71,46 @@ class MetaserverRelay:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         sock.listen(128)
-        app = Starlette(routes=[Route(PATH, self._receive, methods=["POST"])])
+        app = Starlette(routes=[Route(PATH + "/{token}", self._receive, methods=["POST"])])
         self._server = _QuietServer(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         self.url = f"http://{self.host}:{sock.getsockname()[1]}{PATH}"
         logger.info("metaserver relay at %s", self.url)
 
-    def expect(self, request_id: str) -> asyncio.Future[dict[str, Any]]:
-        """Register before the request reaches the engine, so the callback always finds it."""
+    def expect(self, request_id: str) -> tuple[asyncio.Future[dict[str, Any]], str]:
+        """(the future of the callback's body, the URL the callback must go to). Register before
+        the request reaches the engine, so the callback always finds it."""
+        if request_id in self._tokens:
+            raise ValueError(f"request {request_id} is already waiting for its KV parameters")
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = future
-        return future
+        token = secrets.token_urlsafe(24)
+        self._waiting[token] = _Waiting(request_id, future)
+        self._tokens[request_id] = token
+        return future, f"{self.url}/{token}"
 
     def forget(self, request_id: str) -> None:
-        future = self._waiting.pop(request_id, None)
-        if future is not None and not future.done():
-            future.cancel()
+        token = self._tokens.pop(request_id, None)
+        waiting = self._waiting.pop(token, None) if token is not None else None
+        if waiting is not None and not waiting.future.done():
+            waiting.future.cancel()
 
     @property
     def pending(self) -> int:
         return len(self._waiting)
 
     async def _receive(self, request: Request) -> JSONResponse:
+        waiting = self._waiting.get(request.path_params["token"])
+        if waiting is None or waiting.future.done():
+            # Unknown token, or the attempt is over (aborted, timed out): nobody waits here.
+            return JSONResponse({"error": "no request is waiting at this URL"}, status_code=404)
         try:
             body = await request.json()
             request_id = str(body["request_id"])
         except Exception:
             return JSONResponse({"error": "body must be JSON with a request_id"}, status_code=400)
-        future = self._waiting.get(request_id)
-        if future is None or future.done():
-            # The attempt is over (aborted, timed out): nobody waits for these blocks any more.
-            return JSONResponse({"error": f"no request {request_id} is waiting"}, status_code=404)
-        future.set_result(body)
+        if request_id != waiting.request_id:
+            return JSONResponse({"error": f"this URL answers for another request than {request_id}"}, status_code=403)
+        waiting.future.set_result(body)
         return JSONResponse({"status": "ok"})
 
     def close(self) -> None:

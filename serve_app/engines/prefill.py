@@ -5,11 +5,16 @@ from __future__ import annotations
 from ray import serve
 
 from serve_app.engines.server import EngineServer
-from serve_app.protocol import EngineRequest, PrefillResult
+from serve_app.protocol import EngineRejected, EngineRequest, PrefillResult
+
+# How long ``run`` waits for its connector's record of the push once the prompt is computed. The
+# record rides with the engine stats of the very step that finished the prompt, so it is normally
+# there at once; the wait only covers an output batch split across event-loop turns.
+PUSH_RECORD_WAIT_S = 5.0
 
 
-class InjectedPrefillFault(RuntimeError):
-    """Raised on request when the app runs with ``debug_faults`` (tests only)."""
+class PrefillFailed(RuntimeError):
+    """This attempt's prefill did not deliver the KV; the router retries the attempt at once."""
 
 
 @serve.deployment
@@ -17,19 +22,25 @@ class Prefill(EngineServer):
     async def run(self, request: EngineRequest) -> PrefillResult:
         """Run the prompt with ``max_tokens=1``. The connector pushes each layer's KV to the decode
         engine named in ``kv_transfer_params`` as it is computed; the one token sampled here is
-        discarded (decode samples the first token itself)."""
-        params = request.kv_transfer_params or {}
-        target = params.get("debug_prefill_raise")
-        if self.spec.debug_faults and (target is True or target == self.spec.name):
-            self.runner.requests.put(request.request_id, {"fault": "injected"})
-            raise InjectedPrefillFault(f"{self.spec.name}: injected prefill failure")
+        discarded (decode samples the first token itself). Raises ``PrefillFailed`` when the
+        engine did not finish the prompt or the push broke, so the router need not wait for the
+        decode engine's receive deadline to learn it."""
         finish_reason = None
-        async for delta in self.runner.generate(request):
-            finish_reason = delta.finish_reason
+        async for event in self.runner.generate(request):
+            if isinstance(event, EngineRejected):
+                raise PrefillFailed(f"{self.spec.name}: refused {request.request_id}: {event.message}")
+            finish_reason = event.finish_reason
         if finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"{self.spec.name}: prefill of {request.request_id} ended with {finish_reason!r}")
+            raise PrefillFailed(f"{self.spec.name}: prefill of {request.request_id} ended with {finish_reason!r}")
+        record = None
+        if self.spec.push_records:
+            transfer_id = str((request.kv_transfer_params or {}).get("request_id") or request.request_id)
+            record = await self.runner.transfer_record(transfer_id, PUSH_RECORD_WAIT_S)
+            if record is not None and record.get("outcome") != "done":
+                raise PrefillFailed(f"{self.spec.name}: KV push of {transfer_id} failed: {record.get('error')}")
         return PrefillResult(
             request_id=request.request_id,
             num_prompt_tokens=len(request.prompt_token_ids),
             finish_reason=finish_reason,
+            push=record,
         )

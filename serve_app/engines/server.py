@@ -7,8 +7,10 @@ import logging
 import os
 from typing import Any
 
-from serve_app.engines.backends import EngineSpec
+from serve_app.engines.backends import BACKENDS, EngineSpec
 from serve_app.engines.engine import EngineRunner
+from serve_app.engines.kv_endpoint import settle_kv_endpoint
+from serve_app.logs import quiet_cancelled_requests, to_serve_logs
 from serve_app.metrics import engine_metrics
 from serve_app.protocol import EngineStats
 
@@ -21,8 +23,13 @@ class EngineServer:
     """Base of ``Prefill`` and ``Decode``: a Serve replica that owns exactly one engine."""
 
     async def __init__(self, spec: EngineSpec) -> None:
+        to_serve_logs()
+        quiet_cancelled_requests()
         self.spec = spec
-        self.runner = EngineRunner(spec.name, spec.role, spec.engine_kwargs)
+        backend = BACKENDS[spec.backend]
+        listens = spec.role == "decode" or backend.prefill_listens
+        engine_kwargs, self.kv_endpoint = settle_kv_endpoint(spec.engine_kwargs, listens=listens, fallback=backend.kv_port_fallback)
+        self.runner = EngineRunner(spec.name, spec.role, engine_kwargs)
         # AsyncLLM binds its sockets to this event loop, so it is built here, not in a thread.
         self.runner.start()
         self._tags = {"role": spec.role, "engine": spec.name}
@@ -37,7 +44,9 @@ class EngineServer:
             await asyncio.sleep(GAUGE_INTERVAL_S)
 
     async def stats(self) -> EngineStats:
-        return self.runner.stats()
+        stats = self.runner.stats()
+        stats.kv_endpoint = self.kv_endpoint
+        return stats
 
     async def abort(self, request_id: str) -> None:
         await self.runner.abort(request_id)

@@ -1,11 +1,13 @@
 """One attempt of the decode-first (CDCP) schedule, executed through Serve handles.
 
-Disaggregated (DESIGN.md steps 2-7):
+Disaggregated (docs/design.md, "One attempt, decode first"):
   1. pick a decode engine and open its stream with ``do_remote_prefill``; its replica fills in
      the metaserver URL of its own relay;
   2. the stream's first event is ``KVReady(params)``: the decode engine holds blocks for the
-     prompt and its connector posted their ids;
-  3. pick a prefill engine and call ``run`` with those params; it pushes the KV layer by layer;
+     prompt and its connector posted their ids. The router checks that the parameters name the
+     engine it chose (engine id, KV host and port), so nothing else can redirect the push;
+  3. pick a prefill engine and call ``run`` with those parameters (only the keys a prefill
+     connector reads); it pushes the KV layer by layer;
   4. the decode stream continues with tokens, sampled by the decode engine itself.
 Colocated: step 1 without ``do_remote_prefill``, then tokens.
 
@@ -17,24 +19,52 @@ requests and frees their KV blocks, and gives back the router's load leases.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from serve_app.config import TimeoutsConfig
 from serve_app.metrics import RouterMetrics
-from serve_app.protocol import EngineRequest, KVReady, Role, TokenDelta
+from serve_app.protocol import EngineRejected, EngineRequest, KVEndpoint, KVReady, PrefillResult, Role, TokenDelta
 from serve_app.router.balancer import EngineLoad
 from serve_app.router.pool import EnginePool
-from serve_app.router.recompute import AttemptPlan
+from serve_app.router.recompute import AttemptPlan, Phase
 
 logger = logging.getLogger("pd_serve.router")
 
 ENGINE_WAIT_POLL_S = 0.2
-PREFILL_FAULTS = frozenset({"corrupt_kv", "push_delay_s", "prefill_raise"})
+
+# The KVReady keys a prefill engine's connector reads (vllm-ascend's MooncakeLayerwiseConnector
+# and ours); anything else a callback carried stays with the router.
+PREFILL_KV_KEYS = frozenset(
+    {
+        "token_ids",
+        "request_id",
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_block_ids",
+        "remote_block_size",
+        "remote_engine_id",
+        "remote_host",
+        "remote_port",
+        "remote_tp_size",
+        "remote_pcp_size",
+        "remote_dcp_size",
+        "remote_cached_tokens",
+        "transfer_secret",
+    }
+)
+
+# What the attempt waits for in each phase, for the timeout message.
+WAITING_FOR = {
+    Phase.AWAITING_KV: "KVReady",
+    Phase.PREFILLING: "prefill",
+    Phase.DECODING: "the first token",
+}
 
 
 @dataclass
@@ -46,6 +76,7 @@ class KVReadyEvent:
 @dataclass
 class PrefillDoneEvent:
     engine: str
+    result: PrefillResult | None = None
 
 
 @dataclass
@@ -60,53 +91,72 @@ class AttemptFailed:
     retryable: bool
     engine: str | None = None
     status: int = 500  # HTTP status if this failure ends the response
+    kind: str = "engine"  # metrics: pd_errors_total{kind}
 
 
 AttemptEvent = KVReadyEvent | PrefillDoneEvent | DeltaEvent | AttemptFailed
 
 
-def _engine_gone(exc: BaseException) -> bool:
+def engine_gone(exc: BaseException) -> bool:
     """Errors that mean the replica itself is gone (Serve restarts it), not a bad request."""
     import ray.exceptions
 
     return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
 
 
+def kv_ready_mismatch(params: dict[str, Any], endpoint: KVEndpoint | None, checks: Collection[str]) -> str | None:
+    """Why a KVReady does not come from the decode engine it should (None when it does)."""
+    if endpoint is None:
+        return "the decode engine has not reported its KV endpoint yet"
+    engine_id = str(params.get("remote_engine_id", ""))
+    if "engine_id" in checks and engine_id != endpoint.engine_id and not engine_id.startswith(endpoint.engine_id + "-"):
+        return f"remote_engine_id {engine_id!r} is not {endpoint.engine_id!r}"
+    if "host" in checks and params.get("remote_host") != endpoint.host:
+        return f"remote_host {params.get('remote_host')!r} is not {endpoint.host!r}"
+    if "port" in checks and str(params.get("remote_port")) != str(endpoint.port):
+        return f"remote_port {params.get('remote_port')!r} is not {endpoint.port}"
+    return None
+
+
 class AttemptExecutor:
-    def __init__(self, pool: EnginePool, timeouts: TimeoutsConfig, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        timeouts: TimeoutsConfig,
+        metrics: RouterMetrics,
+        kv_ready_checks: Collection[str] = ("engine_id", "host", "port"),
+    ) -> None:
         self.pool = pool
         self.timeouts = timeouts
         self.metrics = metrics
+        self.kv_ready_checks = frozenset(kv_ready_checks)
 
-    async def run(
-        self, plan: AttemptPlan, params_template: Any, debug: dict[str, Any] | None = None
-    ) -> AsyncIterator[AttemptEvent]:
-        decode = await self._pick("decode", plan.avoid)
+    async def run(self, plan: AttemptPlan, params_template: Any, request_deadline: float | None = None) -> AsyncIterator[AttemptEvent]:
+        """The attempt's events, ending with its last token or an ``AttemptFailed``. Past
+        ``request_deadline`` (monotonic) it fails for good: the client's whole request is over."""
+        decode = await self.pick("decode", plan.avoid)
         if decode is None:
-            yield AttemptFailed("no decode engine is available", retryable=False, status=503)
+            yield AttemptFailed("no decode engine is available", retryable=False, status=503, kind="no_engine")
             return
         params = params_template.clone()
         params.max_tokens = plan.max_tokens
         params.min_tokens = plan.min_tokens
-        faults = debug if debug and plan.number <= int(debug.get("attempts", 1)) else {}
         kv_params = None
         if plan.disaggregated:
             # The decode replica adds the URL of its own metaserver relay.
             kv_params = {"do_remote_prefill": True, "do_remote_decode": False, "request_id": plan.attempt_id}
-            if faults.get("skip_metaserver"):
-                kv_params["debug_skip_metaserver"] = True
         request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, params, kv_params)
         reserved = len(plan.prompt_token_ids) + plan.max_tokens
         with self.pool.lease(decode.name, reserved):
             stream = self.pool.handles[decode.name].options(stream=True).generate.remote(request)
-            attempt = _AttemptRun(self, plan, decode.name, stream, faults)
+            attempt = AttemptRun(self, plan, decode.name, stream, request_deadline)
             try:
                 async for event in attempt.events():
                     yield event
             finally:
-                attempt.close()
+                await attempt.close()
 
-    async def _pick(self, role: Role, avoid: frozenset[str]) -> EngineLoad | None:
+    async def pick(self, role: Role, avoid: frozenset[str]) -> EngineLoad | None:
         """An engine of ``role``; while none is healthy (restarting), wait up to kv_ready_s."""
         deadline = time.monotonic() + self.timeouts.kv_ready_s
         while True:
@@ -117,12 +167,14 @@ class AttemptExecutor:
             await self.pool.refresh()
 
 
-class _AttemptRun:
+class AttemptRun:
     """The moving parts of one attempt: the decode stream, the prefill call, the deadlines."""
 
-    def __init__(self, executor: AttemptExecutor, plan: AttemptPlan, decode: str, stream: Any, faults: dict[str, Any]) -> None:
+    def __init__(
+        self, executor: AttemptExecutor, plan: AttemptPlan, decode: str, stream: Any, request_deadline: float | None = None
+    ) -> None:
         self.executor = executor
-        self.faults = faults
+        self.request_deadline = request_deadline
         self.plan = plan
         self.decode = decode
         self.stream = stream
@@ -130,86 +182,102 @@ class _AttemptRun:
         self.prefill: str | None = None
         self.prefill_task: asyncio.Task | None = None
         self.next_item: asyncio.Future | None = None
+        self.started = time.monotonic()
+        self.prefill_started = 0.0
+        self.phase = Phase.AWAITING_KV if plan.disaggregated else Phase.DECODING
+        timeouts = executor.timeouts
+        self.deadline: float | None = self.started + (timeouts.kv_ready_s if plan.disaggregated else timeouts.first_token_s)
 
-    def _next(self) -> asyncio.Future:
+    def _next(self) -> None:
         self.next_item = asyncio.ensure_future(self.stream.__anext__())
-        return self.next_item
 
     async def events(self) -> AsyncIterator[AttemptEvent]:
-        timeouts = self.executor.timeouts
-        metrics = self.executor.metrics
-        started = time.monotonic()
-        if self.plan.disaggregated:
-            phase, deadline = "awaiting KVReady", started + timeouts.kv_ready_s
-        else:
-            phase, deadline = "awaiting the first token", started + timeouts.first_token_s
         self._next()
-        prefill_started = 0.0
         while True:
             waiting: set[asyncio.Future] = {self.next_item}  # type: ignore[arg-type]
             if self.prefill_task is not None:
                 waiting.add(self.prefill_task)
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            deadlines = [d for d in (self.deadline, self.request_deadline) if d is not None]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not done:
-                metrics.errors.inc(tags={"kind": "timeout"})
-                engine = self.prefill if phase == "awaiting prefill" else self.decode
-                yield AttemptFailed(f"timed out {phase}", retryable=True, engine=engine, status=504)
+                yield self._timed_out()
                 return
-
             if self.prefill_task is not None and self.prefill_task in done:
-                task, self.prefill_task = self.prefill_task, None
-                exc = task.exception()
-                if exc is not None:
-                    metrics.errors.inc(tags={"kind": "prefill"})
-                    assert self.prefill is not None
-                    if _engine_gone(exc):
-                        self.executor.pool.mark_unhealthy(self.prefill)
-                    yield AttemptFailed(f"prefill engine {self.prefill} failed: {exc!r}", True, self.prefill, 502)
+                event = self._prefill_outcome()
+                yield event
+                if isinstance(event, AttemptFailed):
                     return
-                metrics.prefill.observe(time.monotonic() - prefill_started)
-                self.prefill_lease.close()  # its prompt is no longer queued on that engine
-                yield PrefillDoneEvent(self.prefill)  # type: ignore[arg-type]
-                if phase == "awaiting prefill":
-                    phase, deadline = "awaiting the first token", time.monotonic() + timeouts.first_token_s
-
             if self.next_item in done:
-                try:
-                    item = self.next_item.result()  # type: ignore[union-attr]
-                except StopAsyncIteration:
-                    yield AttemptFailed(f"decode engine {self.decode} ended the stream early", True, self.decode, 502)
-                    return
-                except Exception as exc:
-                    metrics.errors.inc(tags={"kind": "decode"})
-                    if _engine_gone(exc):
-                        self.executor.pool.mark_unhealthy(self.decode)
-                    yield AttemptFailed(f"decode engine {self.decode} failed: {exc!r}", True, self.decode, 502)
-                    return
-                if isinstance(item, KVReady):
-                    metrics.kv_ready.observe(time.monotonic() - started)
-                    yield KVReadyEvent(item.params, self.decode)
-                    prefill = await self.executor._pick("prefill", self.plan.avoid)
-                    if prefill is None:
-                        yield AttemptFailed("no prefill engine is available", True, None, 503)
+                async for event in self._decode_item():
+                    yield event
+                    if isinstance(event, AttemptFailed) or (isinstance(event, DeltaEvent) and event.delta.finish_reason):
                         return
-                    self.prefill = prefill.name
-                    prefill_started = time.monotonic()
-                    self._start_prefill(prefill, item.params)
-                    phase, deadline = "awaiting prefill", prefill_started + timeouts.prefill_s
-                elif isinstance(item, TokenDelta):
-                    yield DeltaEvent(item, self.decode)
-                    if item.finish_reason is not None:
-                        return
-                    # Tokens flow; from here only the request's own deadline applies.
-                    if phase != "awaiting prefill":
-                        phase, deadline = "decoding", None
                 self._next()
 
+    def _timed_out(self) -> AttemptFailed:
+        if self.request_deadline is not None and time.monotonic() >= self.request_deadline:
+            return AttemptFailed("the request timed out", False, None, 504, "request_timeout")
+        engine = self.prefill if self.phase is Phase.PREFILLING else self.decode
+        return AttemptFailed(f"timed out waiting for {WAITING_FOR[self.phase]}", True, engine, 504, "timeout")
+
+    def _prefill_outcome(self) -> AttemptEvent:
+        task, self.prefill_task = self.prefill_task, None
+        assert task is not None and self.prefill is not None
+        exc = task.exception()
+        if exc is not None:
+            if engine_gone(exc):
+                self.executor.pool.mark_unhealthy(self.prefill)
+            return AttemptFailed(f"prefill engine {self.prefill} failed: {exc}", True, self.prefill, 502, "prefill")
+        self.executor.metrics.prefill.observe(time.monotonic() - self.prefill_started)
+        self.prefill_lease.close()  # its prompt is no longer queued on that engine
+        if self.phase is Phase.PREFILLING:
+            self.phase = Phase.DECODING
+            self.deadline = time.monotonic() + self.executor.timeouts.first_token_s
+        return PrefillDoneEvent(self.prefill, task.result())
+
+    async def _decode_item(self) -> AsyncIterator[AttemptEvent]:
+        assert self.next_item is not None
+        try:
+            item = self.next_item.result()
+        except StopAsyncIteration:
+            yield AttemptFailed(f"decode engine {self.decode} ended the stream early", True, self.decode, 502, "decode")
+            return
+        except Exception as exc:
+            if engine_gone(exc):
+                self.executor.pool.mark_unhealthy(self.decode)
+            yield AttemptFailed(f"decode engine {self.decode} failed: {exc}", True, self.decode, 502, "decode")
+            return
+        if isinstance(item, KVReady):
+            self.executor.metrics.kv_ready.observe(time.monotonic() - self.started)
+            problem = kv_ready_mismatch(item.params, self.executor.pool.kv_endpoint(self.decode), self.executor.kv_ready_checks)
+            if problem is not None:
+                logger.warning("attempt %s: KVReady rejected: %s", self.plan.attempt_id, problem)
+                yield AttemptFailed(
+                    f"decode engine {self.decode} sent a KVReady for another engine: {problem}", True, self.decode, 502, "kv_ready_mismatch"
+                )
+                return
+            yield KVReadyEvent(item.params, self.decode)
+            prefill = await self.executor.pick("prefill", self.plan.avoid)
+            if prefill is None:
+                yield AttemptFailed("no prefill engine is available", True, None, 503, "no_engine")
+                return
+            self._start_prefill(prefill, item.params)
+        elif isinstance(item, EngineRejected):
+            yield AttemptFailed(item.message, False, self.decode, 400, "rejected")
+        elif isinstance(item, TokenDelta):
+            yield DeltaEvent(item, self.decode)
+            # Tokens flow; from here only the request's own deadline applies.
+            if self.phase is not Phase.PREFILLING:
+                self.phase, self.deadline = Phase.DECODING, None
+
     def _start_prefill(self, prefill: EngineLoad, kv_params: dict[str, Any]) -> None:
-        params = self.plan_params_for_prefill()
-        for fault in PREFILL_FAULTS & self.faults.keys():
-            kv_params = {**kv_params, f"debug_{fault}": self.faults[fault]}
-        request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, params, kv_params)
+        self.prefill = prefill.name
+        self.prefill_started = time.monotonic()
+        self.phase = Phase.PREFILLING
+        self.deadline = self.prefill_started + self.executor.timeouts.prefill_s
+        params = {k: v for k, v in kv_params.items() if k in PREFILL_KV_KEYS}
+        request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params)
         self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))
         response = self.executor.pool.handles[prefill.name].run.remote(request)
 
@@ -222,21 +290,26 @@ class _AttemptRun:
 
         self.prefill_task = asyncio.ensure_future(call())
 
-    def plan_params_for_prefill(self) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        # Prefill computes the prompt's KV; the token it samples is discarded.
-        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-
-    def close(self) -> None:
-        """Cancel whatever is still running; the engines abort and free those requests."""
-        if self.next_item is not None and not self.next_item.done():
-            self.next_item.cancel()
-        if self.prefill_task is not None and not self.prefill_task.done():
-            self.prefill_task.cancel()
+    async def close(self) -> None:
+        """Cancel whatever is still running; the engines abort and free those requests. Every
+        cancelled wait is awaited, so no exception is left unretrieved (and logged) by asyncio."""
+        pending = [f for f in (self.next_item, self.prefill_task) if f is not None and not f.done()]
+        for future in pending:
+            future.cancel()
+        for future in (self.next_item, self.prefill_task):
+            if future is not None:
+                with contextlib.suppress(BaseException):
+                    await future
         self.prefill_lease.close()
         try:
             self.stream.cancel()
         except Exception:  # already finished
             pass
+
+
+def prefill_sampling_params() -> Any:
+    """Prefill computes the prompt's KV; the one token it samples is discarded."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)

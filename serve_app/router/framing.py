@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from serve_app.protocol import TokenLogprob
-from serve_app.router.openai import ParsedRequest
+from serve_app.router.parsing import ParsedRequest
 from serve_app.router.recompute import Emission
 
 TokenText = Callable[[int], str]
@@ -101,11 +101,12 @@ class ResponseFramer:
         stop_reason: int | str | None,
         token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        from vllm.entrypoints.generate.base.protocol import DeltaMessage
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionResponseStreamChoice,
             ChatCompletionStreamResponse,
         )
+
+        from serve_app.compat import DeltaMessage
 
         choice = ChatCompletionResponseStreamChoice(
             index=0,
@@ -209,14 +210,12 @@ class ResponseFramer:
                 ChatCompletionLogProb(token=self.token_text(tid), logprob=value, bytes=list(self.token_text(tid).encode()))
                 for tid, value in lp.top[: self.request.logprobs]
             ]
-            content.append(
-                ChatCompletionLogProbsContent(token=token, logprob=lp.logprob, bytes=list(token.encode()), top_logprobs=top)
-            )
+            content.append(ChatCompletionLogProbsContent(token=token, logprob=lp.logprob, bytes=list(token.encode()), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Any:
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+    from serve_app.compat import UsageInfo
 
     return UsageInfo(
         prompt_tokens=prompt_tokens,

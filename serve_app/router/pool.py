@@ -7,13 +7,14 @@ Counters are changed only through ``lease`` (a context manager), so every path o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from serve_app.protocol import EngineStats, Role
+from serve_app.protocol import EngineStats, KVEndpoint, Role
 from serve_app.router.balancer import EngineLoad, ScoreFn, decode_score, prefill_score, select
 
 logger = logging.getLogger("pd_serve.router")
@@ -48,6 +49,11 @@ class EnginePool:
         finally:
             load.reserved_tokens -= tokens
             load.inflight -= 1
+
+    def kv_endpoint(self, name: str) -> KVEndpoint | None:
+        """Where the engine last said its KV side channel is."""
+        reported = self.reported.get(name)
+        return reported.kv_endpoint if reported is not None else None
 
     def mark_unhealthy(self, name: str) -> None:
         """Stop choosing an engine that just failed a call, until its stats answer again."""
@@ -95,6 +101,7 @@ class EnginePool:
                 "engine_waiting": reported.num_waiting if reported else None,
                 "kv_usage": reported.kv_usage if reported else None,
                 "kv_capacity_tokens": reported.kv_capacity_tokens if reported else None,
+                "kv_endpoint": dataclasses.asdict(reported.kv_endpoint) if reported and reported.kv_endpoint else None,
                 "extra": reported.extra if reported else {},
             }
         return out

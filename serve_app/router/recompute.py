@@ -204,9 +204,7 @@ class RecomputeStateMachine:
             return self._retry_or_fail(emission, f"engine finished the attempt with '{delta.finish_reason}'")
         return self._finish(emission, delta.finish_reason, delta.stop_reason, flush=True)
 
-    def on_attempt_failed(
-        self, reason: str, retryable: bool = True, engine: str | None = None, status: int = 500
-    ) -> Step:
+    def on_attempt_failed(self, reason: str, retryable: bool = True, engine: str | None = None, status: int = 500) -> Step:
         """The attempt broke outside the token stream (dead replica, prefill error, deadline)."""
         if self.phase is Phase.FINISHED:
             return Step(Action.FINISH, Emission())

@@ -6,7 +6,6 @@ The HTTP routes and the handle API both sit on top of this, so both send the sam
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,14 +14,13 @@ from typing import Any
 
 from serve_app.metrics import RouterMetrics
 from serve_app.router.cdcp import AttemptExecutor, AttemptFailed, DeltaEvent, KVReadyEvent, PrefillDoneEvent
+from serve_app.router.errors import error_body
 from serve_app.router.framing import ResponseFramer
-from serve_app.router.openai import ParsedRequest, error_body
+from serve_app.router.parsing import ParsedRequest
 from serve_app.router.recompute import Action, Emission, RecomputeStateMachine, Step
 from serve_app.router.text import DecodeTextStream, StopMatcher
 
 logger = logging.getLogger("pd_serve.router")
-
-ERROR_TYPES = {502: "engine_error", 503: "service_unavailable", 504: "timeout"}
 
 
 class ResponseSession:
@@ -88,11 +86,7 @@ class ResponseSession:
 
     def _error(self, emission: Emission) -> dict[str, Any]:
         self.status = emission.error_status
-        return error_body(
-            emission.error or "internal error",
-            type=ERROR_TYPES.get(emission.error_status, "internal_error"),
-            code=emission.error_status,
-        )
+        return error_body(emission.error or "internal error", emission.error_status)
 
     # ------------------------------------------------------------------ attempts
     async def emissions(self) -> AsyncIterator[Emission]:
@@ -111,9 +105,12 @@ class ResponseSession:
                     len(plan.prompt_token_ids),
                     plan.max_tokens,
                 )
-                async with aclosing(self.executor.run(plan, self.request.sampling_params, self.request.debug)) as events:
-                    while True:
-                        step = await self._next_step(events, deadline)
+                step: Step | None = None
+                # The attempt runs in this task (no wait_for around it): a cancellation, which
+                # anyio delivers again at every await, then finds nothing half-running to close.
+                async with aclosing(self.executor.run(plan, self.request.sampling_params, deadline)) as events:
+                    async for event in events:
+                        step = self._step(event)
                         if step is None:
                             continue
                         if not step.emission.empty:
@@ -121,20 +118,17 @@ class ResponseSession:
                             yield step.emission
                         if step.action is not Action.CONTINUE:
                             break
+                if step is None or step.action is Action.CONTINUE:
+                    step = machine.on_attempt_failed("the attempt ended without an outcome", retryable=True)
+                    if not step.emission.empty:
+                        yield step.emission
                 self._note_outcome(plan.attempt_id, step)
         finally:
             self._observe_end()
 
-    async def _next_step(self, events: AsyncIterator[Any], deadline: float) -> Step | None:
+    def _step(self, event: Any) -> Step | None:
         """The state machine's answer to the attempt's next event (None: nothing to answer)."""
         machine = self.machine
-        try:
-            event = await asyncio.wait_for(anext(events), max(deadline - time.monotonic(), 0.001))
-        except StopAsyncIteration:
-            return machine.on_attempt_failed("the attempt ended without an outcome", retryable=True)
-        except asyncio.TimeoutError:
-            self.metrics.errors.inc(tags={"kind": "request_timeout"})
-            return machine.fail(f"request timed out after {self.request_timeout_s:.0f}s", status=504)
         if isinstance(event, KVReadyEvent):
             machine.kv_ready()
             return None
@@ -144,6 +138,7 @@ class ResponseSession:
         if isinstance(event, DeltaEvent):
             return machine.on_delta(event.delta, event.engine)
         assert isinstance(event, AttemptFailed)
+        self.metrics.errors.inc(tags={"kind": event.kind})
         logger.warning("request %s attempt %d failed: %s", machine.request_id, machine.attempts, event.reason)
         return machine.on_attempt_failed(event.reason, event.retryable, event.engine, event.status)
 

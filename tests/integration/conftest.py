@@ -77,12 +77,14 @@ def cluster() -> Iterator[Cluster]:
         ray.shutdown()
 
 
-def deploy(cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any], timeout_s: float = 240) -> DeployedApp:
+def deploy(
+    cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any], timeout_s: float = 240, plugins: Any = None
+) -> DeployedApp:
     from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.app import Plugins, build_app_with
 
-    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+    serve.run(build_app_with(args, plugins or Plugins()), name=name, route_prefix=route_prefix, blocking=False)
     app = DeployedApp(name=name, route_prefix=route_prefix, base_url=cluster.base_url + route_prefix.rstrip("/"), args=args)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -98,11 +100,12 @@ def deploy(cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any],
 
 
 @contextmanager
-def deployed(cluster: Cluster, name: str, args: dict[str, Any]) -> Iterator[DeployedApp]:
-    """An app at /<name> for the duration of a module, on KV ports of its own."""
+def deployed(cluster: Cluster, name: str, args: dict[str, Any], plugins: Any = None) -> Iterator[DeployedApp]:
+    """An app at /<name> for the duration of a module, on KV ports of its own (unless ``args``
+    names them)."""
     from ray import serve
 
-    app = deploy(cluster, name, f"/{name}", {**args, "kv_port_base": (free_port() // 16) * 16 % 50000 + 10000})
+    app = deploy(cluster, name, f"/{name}", {"kv_port_base": (free_port() // 16) * 16 % 50000 + 10000, **args}, plugins=plugins)
     try:
         yield app
     finally:
@@ -217,3 +220,29 @@ def baseline_app(cluster: Cluster) -> Iterator[DeployedApp]:
     app = deploy(cluster, "baseline", "/baseline", BASELINE_ARGS)
     yield app
     serve.delete(app.name)
+
+
+class LogWatch:
+    """What Ray's processes write to their log files from now on (router, engines, proxy)."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self.root = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+        self.offsets = {path: path.stat().st_size for path in self._files()}
+
+    def _files(self) -> list[Path]:
+        return [p for p in self.root.rglob("*") if p.is_file() and p.suffix in (".log", ".err", ".out")]
+
+    def new_text(self, under: str = "") -> str:
+        """Text appended since this watch began, in every log file (or those under ``under``,
+        e.g. "serve" for the Serve components' own files)."""
+        chunks = []
+        for path in self._files():
+            if under and under not in path.relative_to(self.root).parts[:-1]:
+                continue
+            start = self.offsets.get(path, 0)
+            with path.open("rb") as f:
+                f.seek(start)
+                chunks.append(f.read().decode(errors="replace"))
+        return "".join(chunks)

@@ -1,5 +1,6 @@
 """Decode-first disaggregation on real vLLM CPU engines: 2 prefill + 2 decode engines, the
-layerwise push connector, the metaserver relay, and faults injected through `pd_debug`."""
+layerwise push connector, the metaserver relay, and faults injected by the test-only seams of
+tests/faults.py (requested through the prompt)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import time
 
 import pytest
 
+from tests.faults import BREAK_PUSH, CORRUPT_KV, FAULTS, PREFILL_RAISE, PUSH_DELAY, SKIP_METASERVER, faulty_prompt
 from tests.integration.conftest import (
     busy_engine,
     completion_ids,
     deployed,
+    engine_handles,
     inspect,
     metric_lines,
     post,
-    wait_healthy,
     token_pattern,
+    wait_healthy,
     wait_idle,
 )
 
@@ -30,7 +33,6 @@ BLOCK = 128
 ARGS = {
     "served_model_name": "tiny-llama",
     "max_model_len": 2048,
-    "debug_faults": True,
     # One prefill step per prompt (no chunking), so "one push per layer" is exact.
     "engine_kwargs": {"kv_cache_memory_bytes": 64 << 20, "max_num_batched_tokens": 2048},
     "prefill": {"replicas": 2, "num_cpus": 0.2},
@@ -46,9 +48,8 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def app(cluster):
-    with deployed(cluster, "pd2x2", ARGS) as app:
+    with deployed(cluster, "pd2x2", ARGS, FAULTS) as app:
         yield app
-
 
 
 LENGTHS = [1, 5, 64, 127, 128, 129, 200, 255, 256, 257, 384, 500, 640, 700, 1000, 1500]
@@ -97,9 +98,10 @@ def test_token_exact_versus_colocated_and_kv_really_transferred(app, baseline_ap
 
 
 def test_corrupted_kv_changes_the_output(app, baseline_app):
-    prompt = token_pattern(600, seed=7)  # used by this test only: the corrupt KV stays in that cache
+    # Used by this test only: the corrupt KV stays in that cache.
+    prompt = faulty_prompt(CORRUPT_KV, token_pattern(600, seed=7))
     _, want = completion_ids(baseline_app, prompt)
-    _, corrupted = completion_ids(app, prompt, pd_debug={"corrupt_kv": True})
+    _, corrupted = completion_ids(app, prompt)
     assert corrupted != want
     wait_idle(app)
 
@@ -137,14 +139,91 @@ def test_concurrent_requests_use_every_engine_and_release_everything(app, baseli
     attempt_ids = [results[i][0] + "-1" for i in range(len(prompts))]
     for role in ("decode", "prefill"):
         used = {
-            name: sum(1 for a in attempt_ids if info["requests"][a] is not None)
-            for name, info in inspect(app, role, attempt_ids).items()
+            name: sum(1 for a in attempt_ids if info["requests"][a] is not None) for name, info in inspect(app, role, attempt_ids).items()
         }
         assert all(n > 0 for n in used.values()), f"{role} engines idle under load: {used}"
     for i, prompt in enumerate(prompts):
         assert results[i][1] == completion_ids(baseline_app, prompt, max_tokens=24)[1]
     snap = wait_idle(app)
     assert all(e["kv_usage"] == 0.0 and e["engine_inflight"] == 0 for e in snap["engines"].values())
+
+
+def test_hostile_peers_on_the_kv_port_change_nothing(app, baseline_app):
+    """While real transfers run, something else on the host connects to each decode engine's KV
+    port and sends garbage, an oversize header, and well-formed frames without the transfer's
+    secret for the attempts in flight. Every real request still ends token-exact, and the
+    decode engines stay healthy and release everything."""
+    import socket
+
+    import torch
+
+    from serve_app.kv.wire import KIND_LAYER, MAGIC, PREAMBLE, WIRE_VERSION, compat_hash, encode_frame
+
+    # The tiny model's KV layout on the CPU backend: 2 layers of [blocks, 2 kv heads, 128, 2 * 32].
+    compat = compat_hash(torch.float32, (2, BLOCK, 64), BLOCK, NUM_LAYERS)
+
+    endpoints = {n: e["kv_endpoint"] for n, e in app.snapshot()["engines"].items() if e["role"] == "decode"}
+    assert all(endpoints.values()), endpoints
+    prompts = [token_pattern(300 + 41 * i, seed=500 + i) for i in range(6)]
+    want = [completion_ids(baseline_app, p, max_tokens=16)[1] for p in prompts]
+    results: dict[int, list[int]] = {}
+    stop = threading.Event()
+
+    decode_handles = engine_handles(app, "decode")
+
+    def in_flight() -> list[str]:
+        """Attempt ids the decode engines are serving now (a local peer could learn them from
+        logs): frames naming them, without their secret, must change nothing."""
+        ids = []
+        for handle in decode_handles.values():
+            requests_ = handle.inspect.remote(None).result(timeout_s=10)["requests"]
+            ids += [rid for rid, record in requests_.items() if record and record.get("finish_reason") is None]
+        return ids
+
+    def attack() -> None:
+        n = 0
+        while not stop.is_set():
+            for endpoint in endpoints.values():
+                for payload in (
+                    b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64,
+                    PREAMBLE.pack(MAGIC, WIRE_VERSION, KIND_LAYER, 0, compat, 1 << 30, 1 << 40),
+                    b"".join(
+                        bytes(p)
+                        for p in encode_frame(KIND_LAYER, compat ^ 1, {"transfer": "t", "secret": "s", "layer": "x", "block_ids": [0]})
+                    ),
+                    *[
+                        b"".join(bytes(p) for p in encode_frame(2, compat, {"transfer": tid, "secret": "guess", "frames": 0}))
+                        for tid in in_flight()
+                    ],
+                ):
+                    try:
+                        with socket.create_connection((endpoint["host"], endpoint["port"]), timeout=2) as sock:
+                            sock.sendall(payload)
+                    except OSError:
+                        pass
+                n += 1
+            time.sleep(0.01)
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    try:
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, completion_ids(app, prompts[i], max_tokens=16)[1]))
+            for i in range(len(prompts))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        stop.set()
+        attacker.join()
+    assert [results.get(i) for i in range(len(prompts))] == want
+    snap = wait_idle(app)
+    assert all(e["healthy"] for e in snap["engines"].values())
+    side = [e["extra"].get("kv_side_channel", {}) for e in snap["engines"].values() if e["role"] == "decode"]
+    assert sum(c.get("broken_connections", 0) for c in side) > 0, side
+    assert sum(c.get("rejected_frames", 0) for c in side) > 0, side  # wrong secrets for live transfers
 
 
 def test_disaggregation_metrics_are_exported_per_engine(app, cluster):
@@ -159,15 +238,15 @@ def test_disaggregation_metrics_are_exported_per_engine(app, cluster):
     missing = wanted
     while missing and time.monotonic() < deadline:
         lines = metric_lines(cluster.metrics_port)
-        missing = [(name, tag) for name, tag in missing if not any(l.startswith(name) and tag in l for l in lines)]
+        missing = [(name, tag) for name, tag in missing if not any(line.startswith(name) and tag in line for line in lines)]
         time.sleep(2)
     assert not missing, f"not exported: {missing}"
     wait_idle(app)
 
 
 def test_failing_prefill_is_retried_on_another_engine(app, baseline_app):
-    prompt = token_pattern(400, seed=21)
-    response_id, got = completion_ids(app, prompt, pd_debug={"prefill_raise": True})
+    prompt = faulty_prompt(PREFILL_RAISE, token_pattern(400, seed=21))
+    response_id, got = completion_ids(app, prompt)
     assert got == completion_ids(baseline_app, prompt)[1]
     first, second = response_id + "-1", response_id + "-2"
     prefill = inspect(app, "prefill", [first, second])
@@ -180,10 +259,26 @@ def test_failing_prefill_is_retried_on_another_engine(app, baseline_app):
     wait_idle(app)
 
 
-def test_lost_metaserver_callback_times_out_and_retries(app, baseline_app):
-    prompt = token_pattern(256, seed=31)
+def test_a_broken_push_is_reported_by_prefill_and_retried_at_once(app, baseline_app):
+    """The push breaks (decode unreachable from prefill): prefill's call fails with the push's
+    error, so the router retries at once instead of waiting for decode's receive deadline."""
+    prompt = faulty_prompt(BREAK_PUSH, token_pattern(350, seed=25))
     started = time.monotonic()
-    _, got = completion_ids(app, prompt, pd_debug={"skip_metaserver": True})
+    response_id, got = completion_ids(app, prompt)
+    assert time.monotonic() - started < 10  # decode's receive deadline here is 30 s
+    assert got == completion_ids(baseline_app, prompt)[1]
+    first = response_id + "-1"
+    pushed = [p["transfers"][first] for p in inspect(app, "prefill", [first]).values() if p["transfers"][first]]
+    assert pushed and pushed[0]["outcome"] == "failed" and "push to" in pushed[0]["error"]
+    decode = [d["transfers"][first] for d in inspect(app, "decode", [first]).values() if d["transfers"][first]]
+    assert decode and decode[0]["outcome"] == "aborted"  # the waiting decode request was freed
+    wait_idle(app)
+
+
+def test_lost_metaserver_callback_times_out_and_retries(app, baseline_app):
+    prompt = faulty_prompt(SKIP_METASERVER, token_pattern(256, seed=31))
+    started = time.monotonic()
+    _, got = completion_ids(app, prompt)
     assert time.monotonic() - started >= ARGS["router"]["timeouts"]["kv_ready_s"]
     assert got == completion_ids(baseline_app, prompt)[1]
     wait_idle(app)
@@ -191,7 +286,7 @@ def test_lost_metaserver_callback_times_out_and_retries(app, baseline_app):
 
 def test_lost_callbacks_on_every_attempt_end_in_a_clear_error(app):
     started = time.monotonic()
-    body = {"prompt": token_pattern(64, seed=41), "max_tokens": 4, "pd_debug": {"skip_metaserver": True, "attempts": 3}}
+    body = {"prompt": faulty_prompt(SKIP_METASERVER, token_pattern(64, seed=41), attempts=3), "max_tokens": 4}
     response = post(app, "/v1/completions", body)
     elapsed = time.monotonic() - started
     timeouts = ARGS["router"]["timeouts"]
@@ -203,12 +298,12 @@ def test_lost_callbacks_on_every_attempt_end_in_a_clear_error(app):
 
 
 def test_prefill_killed_mid_push_then_all_prefill_down_falls_back(app, baseline_app, cluster):
-    prompt = token_pattern(900, seed=51)
+    prompt = faulty_prompt(PUSH_DELAY, token_pattern(900, seed=51))
     want = completion_ids(baseline_app, prompt)[1]
     result: dict[str, object] = {}
 
     def run() -> None:
-        result["value"] = completion_ids(app, prompt, pd_debug={"push_delay_s": 1.5})
+        result["value"] = completion_ids(app, prompt)
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -241,8 +336,13 @@ def test_prefill_killed_mid_push_then_all_prefill_down_falls_back(app, baseline_
         time.sleep(0.2)
     fallback_prompt = token_pattern(300, seed=61)
     assert completion_ids(app, fallback_prompt)[1] == completion_ids(baseline_app, fallback_prompt)[1]
+    # In the fallback too, a client cannot hand the decode engine KV parameters of its own.
+    started = time.monotonic()
+    steer = {"do_remote_prefill": True, "metaserver": "http://127.0.0.1:9/x", "request_id": "x1"}
+    refused = post(app, "/v1/completions", {"prompt": fallback_prompt, "max_tokens": 4, "kv_transfer_params": steer}, timeout=30)
+    assert refused.status_code == 400 and time.monotonic() - started < 1.0
     deadline = time.monotonic() + 60
-    while not any(l.startswith("ray_pd_fallback_total{") for l in metric_lines(cluster.metrics_port)):
+    while not any(line.startswith("ray_pd_fallback_total{") for line in metric_lines(cluster.metrics_port)):
         assert time.monotonic() < deadline, "pd_fallback_total not exported"
         time.sleep(2)
     wait_healthy(app)

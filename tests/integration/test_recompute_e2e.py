@@ -50,7 +50,6 @@ def app(cluster):
         yield app
 
 
-
 def call(app, route: str, body: dict[str, Any]) -> dict[str, Any]:
     """One request, streamed or not; returns id, token ids, text, finish_reason, usage, logprobs."""
     path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
@@ -95,14 +94,26 @@ def call(app, route: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def cases() -> list[tuple[str, dict[str, Any]]]:
-    messages = lambda seed: [{"role": "user", "content": " ".join(f"w{(seed * 7 + i) % 97}" for i in range(60))}]
+    def messages(seed: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": " ".join(f"w{(seed * 7 + i) % 97}" for i in range(60))}]
+
     return [
         ("completions", {"prompt": token_pattern(260, 1), "max_tokens": 700, "ignore_eos": True}),
         ("completions", {"prompt": token_pattern(300, 2), "max_tokens": 650, "ignore_eos": True, "stream": True}),
         ("chat", {"messages": messages(3), "max_completion_tokens": 600, "ignore_eos": True}),
         ("chat", {"messages": messages(4), "max_tokens": 620, "ignore_eos": True, "stream": True}),
         ("completions", {"prompt": token_pattern(220, 5), "max_tokens": 640, "ignore_eos": True, "logprobs": 2}),
-        ("chat", {"messages": messages(6), "max_completion_tokens": 600, "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 1}),
+        (
+            "chat",
+            {
+                "messages": messages(6),
+                "max_completion_tokens": 600,
+                "ignore_eos": True,
+                "stream": True,
+                "logprobs": True,
+                "top_logprobs": 1,
+            },
+        ),
         ("completions", {"prompt": token_pattern(280, 7), "max_tokens": 600, "ignore_eos": True, "stream": True}),
         ("completions", {"prompt": token_pattern(240, 8), "max_tokens": 660, "ignore_eos": True}),
     ]
@@ -137,8 +148,10 @@ def test_recompute_under_kv_pressure_is_token_exact(app, baseline_app, cluster):
         if body.get("stream"):
             assert got["roles"] == (1 if route == "chat" else 0)
         if body.get("logprobs"):
-            count = got["logprob_count"] if body.get("stream") else len(
-                got["logprobs"]["content"] if route == "chat" else got["logprobs"]["tokens"]
+            count = (
+                got["logprob_count"]
+                if body.get("stream")
+                else len(got["logprobs"]["content"] if route == "chat" else got["logprobs"]["tokens"])
             )
             assert count == len(got["tokens"])
 
@@ -150,13 +163,13 @@ def test_recompute_under_kv_pressure_is_token_exact(app, baseline_app, cluster):
     deadline = time.monotonic() + 60
     while True:
         lines = metric_lines(cluster.metrics_port)
-        total = sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith("ray_pd_recompute_total{"))
+        total = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("ray_pd_recompute_total{"))
         if total > 0:
             break
         assert time.monotonic() < deadline, "pd_recompute_total stayed at 0"
         time.sleep(2)
-    assert any(l.startswith("ray_pd_recompute_wasted_tokens_total{") for l in lines)
-    assert any(l.startswith("ray_pd_attempts_per_request_bucket{") for l in lines)
+    assert any(line.startswith("ray_pd_recompute_wasted_tokens_total{") for line in lines)
+    assert any(line.startswith("ray_pd_attempts_per_request_bucket{") for line in lines)
     wait_idle(app)
 
 
@@ -168,7 +181,12 @@ def test_stop_string_across_attempts_under_pressure(app, baseline_app):
     stop = reference[len(reference) * 3 // 4 :][:6]
     assert stop.strip(), "pick a visible stop string"
     expected = reference[: reference.index(stop)]
-    pressure = [threading.Thread(target=call, args=(app, "completions", {"prompt": token_pattern(300, 20 + k), "max_tokens": 640, "ignore_eos": True})) for k in range(4)]
+    pressure = [
+        threading.Thread(
+            target=call, args=(app, "completions", {"prompt": token_pattern(300, 20 + k), "max_tokens": 640, "ignore_eos": True})
+        )
+        for k in range(4)
+    ]
     for t in pressure:
         t.start()
     got = call(app, "completions", {**body, "stop": [stop], "stream": True})

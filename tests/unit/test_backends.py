@@ -4,7 +4,8 @@ these checks against vllm-ascend's documented settings are what stands for them.
 from __future__ import annotations
 
 from serve_app.config import load_config
-from serve_app.engines.backends import engine_specs
+from serve_app.engines.backends import RECV_DEADLINE_MARGIN_S, engine_specs
+from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
 
 
 def specs_by_name(args):
@@ -90,17 +91,32 @@ def test_cpu_bind_list_and_nobind():
 
 
 def test_cpu_engines_load_the_layerwise_connector_when_prefill_engines_exist():
-    specs = specs_by_name({"prefill": {"replicas": 1}, "decode": {"replicas": 2}, "debug_faults": True})
+    specs = specs_by_name({"prefill": {"replicas": 1}, "decode": {"replicas": 2}})
     prefill = specs["prefill-0"].engine_kwargs["kv_transfer_config"]
     decode = specs["decode-1"].engine_kwargs["kv_transfer_config"]
     assert prefill["kv_connector"] == decode["kv_connector"] == "LayerwisePushConnector"
     assert prefill["kv_connector_module_path"] == "serve_app.kv.layerwise_connector"
     assert (prefill["kv_role"], decode["kv_role"]) == ("kv_producer", "kv_consumer")
-    assert decode["kv_port"] == specs["decode-1"].kv_port and decode["kv_connector_extra_config"]["allow_debug_faults"]
+    assert decode["kv_port"] == specs["decode-1"].kv_port
+    # The engine's name is its KV engine id: the router checks it in every KVReady.
+    assert (prefill["engine_id"], decode["engine_id"]) == ("prefill-0", "decode-1")
     colocated = specs_by_name({"prefill": {"replicas": 0}, "router": {"mode": "colocated"}})
     assert "kv_transfer_config" not in colocated["decode-0"].engine_kwargs
-    production = specs_by_name({})
-    assert "allow_debug_faults" not in production["decode-0"].engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+
+
+def test_decode_receive_deadline_follows_the_router_timeouts():
+    specs = specs_by_name({"router": {"timeouts": {"kv_ready_s": 7, "prefill_s": 11}}})
+    extra = specs["decode-0"].engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["recv_timeout_s"] == 7 + 11 + RECV_DEADLINE_MARGIN_S
+    # A receive deadline in the config cannot undercut the router's.
+    specs = specs_by_name({"kv_connector_extra_config": {"recv_timeout_s": 1}})
+    assert specs["decode-0"].engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]["recv_timeout_s"] > 30
+
+
+def test_every_engine_process_gets_the_parent_watchdog():
+    for backend in ("cpu", "ascend"):
+        for spec in specs_by_name({"backend": backend}).values():
+            assert spec.env[WATCHDOG_ENV] == "1"
 
 
 def test_cpu_decode_engines_use_the_recompute_scheduler():

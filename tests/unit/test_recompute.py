@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from serve_app.protocol import RECOMPUTED, TokenDelta, TokenLogprob
+from serve_app.router.errors import OpenAIError
 from serve_app.router.framing import ResponseFramer
-from serve_app.router.openai import ModelContext, OpenAIError, parse_request
+from serve_app.router.parsing import ModelContext, parse_request
 from serve_app.router.recompute import Action, Phase, RecomputeStateMachine
 from serve_app.router.text import StopMatcher
 
@@ -259,7 +260,11 @@ def test_one_response_across_attempts_role_once_stable_id_no_recomputed_chunk(ct
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["length"]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "abcdef"
     usage = framer.usage_chunk(m.prompt_tokens, m.completion_tokens)["usage"]
-    assert usage == {"prompt_tokens": len(parsed.prompt_token_ids), "completion_tokens": 6, "total_tokens": len(parsed.prompt_token_ids) + 6}
+    assert usage == {
+        "prompt_tokens": len(parsed.prompt_token_ids),
+        "completion_tokens": 6,
+        "total_tokens": len(parsed.prompt_token_ids) + 6,
+    }
 
 
 def test_non_stream_response_without_engine_usage_is_stitched_from_counted_tokens(ctx):
@@ -268,8 +273,12 @@ def test_non_stream_response_without_engine_usage_is_stitched_from_counted_token
     body = {"prompt": "Hi", "max_tokens": 5}
     parsed, m, framer, _ = run_with_framer(ctx, body, [[delta(0, 1, 2), recomputed()], [delta(3, 4, finish="length")]])
     final = framer.final(
-        text=m.text, token_ids=m.output_token_ids, logprobs=None, finish_reason=m.finish_reason,
-        stop_reason=m.stop_reason, prompt_tokens=m.prompt_tokens,
+        text=m.text,
+        token_ids=m.output_token_ids,
+        logprobs=None,
+        finish_reason=m.finish_reason,
+        stop_reason=m.stop_reason,
+        prompt_tokens=m.prompt_tokens,
     )
     assert final["choices"][0]["text"] == "abcde" and final["choices"][0]["finish_reason"] == "length"
     assert final["usage"]["completion_tokens"] == 5

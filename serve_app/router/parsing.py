@@ -1,4 +1,5 @@
-"""OpenAI request validation and prompt building: the chat template and tokenization, once.
+"""OpenAI request parsing: validation and prompt building (the chat template and tokenization,
+once).
 
 Requests are parsed with vLLM's own OpenAI protocol models (``CompletionRequest``,
 ``ChatCompletionRequest``) and turned into vLLM ``SamplingParams`` by their own
@@ -16,42 +17,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from serve_app.protocol import DEBUG_FAULTS
+from serve_app.router.errors import OpenAIError, bad_request
 
 Route = Literal["completions", "chat"]
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
-
-class OpenAIError(Exception):
-    """An error the client receives as an OpenAI error body with this status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(message: str, *, type: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param)
+# Engine extra arguments pd-serve sets itself: a client may not set them, at the top level of
+# the request or through ``vllm_xargs`` (vLLM copies both into the engine's extra_args), since
+# they would steer an engine's KV transfer (where to post block ids, where to push KV).
+RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params"})
 
 
 @dataclass
@@ -87,7 +62,6 @@ class ParsedRequest:
     min_tokens: int
     logprobs: int | None  # top-k per token; None when not requested
     return_token_ids: bool
-    debug: dict[str, Any] | None = None  # injected faults (`pd_debug`), when the app allows them
 
 
 def decode_json(raw: bytes) -> Any:
@@ -102,10 +76,10 @@ def route_of(body: Any) -> Route:
     return "chat" if isinstance(body, dict) and "messages" in body else "completions"
 
 
-def parse_request(route: Route, body: Any, ctx: ModelContext, allow_debug: bool = False) -> ParsedRequest:
+def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
-    debug = _debug_faults(body.get("pd_debug"), allow_debug)
+    _refuse_reserved(body)
     if route == "chat":
         if "messages" not in body:
             raise bad_request("'messages' is a required property", param="messages")
@@ -118,9 +92,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, allow_debug: bool 
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model")
     if not ctx.accepts(model):
-        raise OpenAIError(
-            404, f"The model '{model}' does not exist; this server serves '{ctx.name}'", param="model", code="model_not_found"
-        )
+        raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{ctx.name}'", param="model")
 
     request = _validate(route, body)
     _reject_unsupported(route, request)
@@ -149,6 +121,8 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, allow_debug: bool 
     from vllm.sampling_params import RequestOutputKind
 
     params.stop = []
+    if params.extra_args:  # already refused above; never let one through regardless
+        params.extra_args = {k: v for k, v in params.extra_args.items() if k not in RESERVED_EXTRA_ARGS} or None
     params.output_kind = RequestOutputKind.DELTA
     params.detokenize = False
     params.logprobs = logprobs
@@ -170,18 +144,17 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, allow_debug: bool 
         min_tokens=int(request.min_tokens or 0),
         logprobs=logprobs,
         return_token_ids=bool(request.return_token_ids),
-        debug=debug,
     )
 
 
-def _debug_faults(value: Any, allowed: bool) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    if not allowed:
-        raise bad_request("pd_debug is disabled on this server (app config debug_faults)", param="pd_debug")
-    if not isinstance(value, dict) or not set(value) <= DEBUG_FAULTS:
-        raise bad_request(f"pd_debug must be an object with keys among {sorted(DEBUG_FAULTS)}", param="pd_debug")
-    return dict(value)
+def _refuse_reserved(body: dict[str, Any]) -> None:
+    for key in RESERVED_EXTRA_ARGS:
+        if body.get(key) is not None:
+            raise bad_request(f"'{key}' is set by this server and may not be sent by clients", param=key)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        for key in RESERVED_EXTRA_ARGS & xargs.keys():
+            raise bad_request(f"vllm_xargs.{key} is set by this server and may not be sent by clients", param=f"vllm_xargs.{key}")
 
 
 def _validate(route: Route, body: dict[str, Any]) -> Any:
@@ -203,12 +176,12 @@ def _validate(route: Route, body: dict[str, Any]) -> Any:
         raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
 
 
-def _client_errors() -> tuple[type[Exception], ...]:
+def _client_errors() -> tuple[type[BaseException], ...]:
     """What vLLM raises for a bad request: its validators raise VLLMValidationError (not a
-    ValueError) straight through pydantic, and plain ValueErrors as pydantic errors."""
-    from vllm.exceptions import VLLMClientError
+    ValueError on vLLM 0.32) straight through pydantic, and plain ValueErrors as pydantic errors."""
+    from serve_app.compat import CLIENT_ERRORS
 
-    return (ValueError, TypeError, VLLMClientError)
+    return CLIENT_ERRORS
 
 
 def _describe(err: dict[str, Any]) -> str:
@@ -306,9 +279,7 @@ def _text_content(content: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", param=f"messages.{i}.content")
 
 
-def _check_lengths(
-    prompt_token_ids: list[int], max_tokens: int | None, param: str, prompt_param: str, ctx: ModelContext
-) -> None:
+def _check_lengths(prompt_token_ids: list[int], max_tokens: int | None, param: str, prompt_param: str, ctx: ModelContext) -> None:
     n = len(prompt_token_ids)
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{param} must be at least 1, got {max_tokens}", param=param)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.router.openai import ModelContext, OpenAIError, decode_json, parse_request, route_of
+from serve_app.router.errors import OpenAIError
+from serve_app.router.parsing import ModelContext, decode_json, parse_request, route_of
 
 
 @pytest.fixture
@@ -76,7 +77,27 @@ def test_lengths_against_the_model(ctx):
 def test_model_names(ctx):
     assert parse_request("completions", {"prompt": "x", "model": "/m"}, ctx).model == "/m"
     err = refused(ctx, "completions", {"prompt": "x", "model": "other"}, status=404)
-    assert err.code == "model_not_found"
+    assert err.param == "model"
+    assert err.body()["error"] == {"message": err.message, "type": "invalid_request_error", "param": "model", "code": 404}
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"kv_transfer_params": {"do_remote_prefill": True, "metaserver": "http://127.0.0.1:9/x"}}, "kv_transfer_params"),
+        ({"kv_transfer_params": {}}, "kv_transfer_params"),
+        ({"vllm_xargs": {"kv_transfer_params": "x"}}, "vllm_xargs.kv_transfer_params"),
+    ],
+)
+def test_clients_cannot_set_kv_transfer_params(ctx, route, extra, param):
+    body = {"prompt": "x"} if route == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    assert refused(ctx, route, {**body, **extra}).param == param
+
+
+def test_other_vllm_xargs_reach_the_engine_but_never_kv_transfer_params(ctx):
+    parsed = parse_request("completions", {"prompt": "x", "vllm_xargs": {"my_processor_arg": 3}}, ctx)
+    assert parsed.sampling_params.extra_args == {"my_processor_arg": 3}
 
 
 def test_json_and_routes():

@@ -1,0 +1,263 @@
+"""Everything the router does, without Ray Serve.
+
+``deployment.Router`` (the Serve ingress) is a thin shell whose HTTP routes and handle methods
+delegate here, so the whole request path (parsing, sessions, attempts, framing, accounting) can be
+driven in-process by fast tests with fake engine handles.
+
+Every client request is accounted once, on every path out (success, error, client disconnect):
+``_in_flight`` counts it in and, on exit, out, with the status it ended with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from serve_app.config import AppConfig
+from serve_app.engines.backends import BACKENDS
+from serve_app.metrics import RouterMetrics
+from serve_app.protocol import Role
+from serve_app.router.cdcp import AttemptExecutor
+from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
+from serve_app.router.framing import SSE_DONE, sse
+from serve_app.router.parsing import ModelContext, ParsedRequest, Route, decode_json, parse_request, route_of
+from serve_app.router.pool import EnginePool
+from serve_app.router.session import ResponseSession
+
+logger = logging.getLogger("pd_serve.router")
+
+
+@dataclass
+class Outcome:
+    """How a client request ended, for its accounting (a disconnect unless set otherwise)."""
+
+    status: int = CLIENT_CLOSED
+
+
+class SessionStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs ``on_close`` however it ends: finished, client gone, or
+    cancelled before its first chunk (when the body iterator never starts, no code inside it
+    could release anything)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[Any]]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+class RouterService:
+    def __init__(
+        self,
+        config: AppConfig,
+        engines: dict[str, tuple[Role, Any]],
+        *,
+        tokenizer: Any,
+        vocab_size: int,
+        metrics: RouterMetrics,
+        replica_id: str = "router",
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.ctx = ModelContext(
+            name=config.model_name,
+            aliases=frozenset({config.model}),
+            max_model_len=config.max_model_len,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer,
+        )
+        self.pool = EnginePool(engines)
+        self.metrics = metrics
+        self.executor = AttemptExecutor(self.pool, config.router.timeouts, metrics, BACKENDS[config.backend].kv_ready_checks)
+        self.replica_id = replica_id
+        self.inflight = 0
+        self._token_texts: dict[int, str] = {}
+        self._poller: asyncio.Task | None = None
+
+    def warm_up(self) -> None:
+        """Load, at start, what the first request would otherwise wait for: vLLM's protocol
+        modules (seconds to import), the chat template and the response models."""
+        from serve_app.router.framing import ResponseFramer
+
+        for route, body in (("completions", {"prompt": "warm up"}), ("chat", {"messages": [{"role": "user", "content": "hi"}]})):
+            parsed = parse_request(route, body, self.ctx)  # type: ignore[arg-type]
+            framer = ResponseFramer(parsed, self._token_text)
+            framer.usage_chunk(1, 1)
+            framer.final(text="", token_ids=[], logprobs=None, finish_reason="length", stop_reason=None, prompt_tokens=1)
+        error_body("warm up", 400)
+        self.models()
+
+    def start(self) -> None:
+        """Poll the engines' stats in the background (the balancer's load and health)."""
+        self._poller = asyncio.get_running_loop().create_task(self.pool.poll_forever(self.config.router.stats_interval_s))
+
+    def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+
+    # ------------------------------------------------------------------ HTTP
+    async def http(self, route: Route, raw_body: bytes) -> Response:
+        """A /v1/completions or /v1/chat/completions request, answered as the OpenAI API does."""
+        try:
+            parsed = parse_request(route, decode_json(raw_body), self.ctx)
+        except OpenAIError as exc:
+            self._count(route, exc.status)
+            return JSONResponse(exc.body(), exc.status)
+        except Exception:  # a bug of ours, not the client's: log it, answer in OpenAI form
+            logger.exception("could not parse a %s request", route)
+            self._count(route, 500)
+            return JSONResponse(error_body("internal error while reading the request", 500), 500)
+        if not parsed.stream:
+            status, body = await self._final(parsed)
+            return JSONResponse(body, status)
+        session = self._session(parsed)
+        events = session.stream_events()
+        stack = AsyncExitStack()
+        outcome = stack.enter_context(self._in_flight(route))
+        stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
+        try:
+            first = await anext(events)
+        except BaseException:
+            await stack.aclose()
+            raise
+        if "error" in first:
+            # Nothing was sent yet: a plain error response with the failure's status.
+            outcome.status = session.status
+            await stack.aclose()
+            return JSONResponse(first, session.status)
+        return SessionStreamingResponse(self._sse(session, first, events, outcome), stack.aclose)
+
+    async def _sse(
+        self, session: ResponseSession, first: dict[str, Any], events: AsyncIterator[dict[str, Any]], outcome: Outcome
+    ) -> AsyncIterator[str]:
+        yield sse(first)
+        async for event in events:
+            yield sse(event)
+        yield SSE_DONE
+        outcome.status = session.status
+
+    def models(self) -> dict[str, Any]:
+        from serve_app.compat import ModelCard, ModelList
+
+        card = ModelCard(id=self.ctx.name, root=self.config.model, owned_by="pd-serve", max_model_len=self.ctx.max_model_len)
+        return ModelList(data=[card]).model_dump(mode="json", exclude_none=True)
+
+    async def health(self) -> Response:
+        """200 when at least one decode engine is healthy (prefill is optional: colocated fallback);
+        otherwise 503 saying why each decode engine is not (what Serve reports of its deployment,
+        e.g. an engine that failed to start and the error it failed with)."""
+        if self.pool.has_healthy("decode"):
+            return JSONResponse({"status": "ok"})
+        message = "no healthy decode engine"
+        try:
+            reasons = await self.engine_status()
+        except Exception as exc:  # the status is a courtesy: never let it fail the health check
+            reasons = {"status": f"unavailable ({exc!r})"}
+        details = "; ".join(f"{name}: {why}" for name, why in reasons.items() if name in self.pool.loads or name == "status")
+        return JSONResponse(error_body(f"{message} ({details})" if details else message, 503), 503)
+
+    async def engine_status(self) -> dict[str, str]:
+        """Why engines are not serving, by name (the Serve deployment's status and message);
+        set by the deployment, empty outside Serve."""
+        return {}
+
+    # ------------------------------------------------------------------ handle API
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream the events the HTTP API sends for this request (as dicts), whatever its
+        ``stream`` field says; a bad request yields one error event."""
+        route = route_of(request)
+        try:
+            parsed = parse_request(route, {**request, "stream": True}, self.ctx)
+        except OpenAIError as exc:
+            self._count(route, exc.status)
+            yield exc.body()
+            return
+        session = self._session(parsed)
+        with self._in_flight(route) as outcome:
+            async for event in session.stream_events():
+                yield event
+            outcome.status = session.status
+
+    async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The final response dict (or an OpenAI error body) for this request, non-streaming."""
+        route = route_of(request)
+        body = {k: v for k, v in request.items() if k != "stream_options"}
+        try:
+            parsed = parse_request(route, {**body, "stream": False}, self.ctx)
+        except OpenAIError as exc:
+            self._count(route, exc.status)
+            return exc.body()
+        _, response = await self._final(parsed)
+        return response
+
+    async def engine_snapshot(self, refresh: bool = True) -> dict[str, Any]:
+        """Router-side counters and every engine's last stats (tests and operators)."""
+        if refresh:
+            await self.pool.refresh()
+        return {"router": {"replica": self.replica_id, "inflight": self.inflight}, "engines": self.pool.snapshot()}
+
+    # ------------------------------------------------------------------ internals
+    def _session(self, parsed: ParsedRequest) -> ResponseSession:
+        return ResponseSession(
+            parsed,
+            executor=self.executor,
+            choose_disaggregated=self._choose_disaggregated,
+            tokenizer=self.tokenizer,
+            token_text=self._token_text,
+            max_attempts=self.config.router.max_attempts,
+            request_timeout_s=self.config.router.timeouts.request_s,
+            metrics=self.metrics,
+        )
+
+    def _choose_disaggregated(self) -> bool:
+        if self.config.router.mode != "disaggregated":
+            return False
+        if self.pool.has_healthy("prefill"):
+            return True
+        self.metrics.fallback.inc(tags={"reason": "no_healthy_prefill"})
+        return False
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's own text, for logprobs (cached: the vocabulary is finite)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    async def _final(self, parsed: ParsedRequest) -> tuple[int, dict[str, Any]]:
+        session = self._session(parsed)
+        with self._in_flight(parsed.route) as outcome:
+            status, body = await session.final_response()
+            outcome.status = status
+            return status, body
+
+    @contextmanager
+    def _in_flight(self, route: Route) -> Iterator[Outcome]:
+        outcome = Outcome()
+        self._track(+1)
+        try:
+            yield outcome
+        finally:
+            self._track(-1)
+            self._count(route, outcome.status)
+            if outcome.status == CLIENT_CLOSED:
+                logger.info("a %s request ended: the client went away", route)
+
+    def _track(self, change: int) -> None:
+        self.inflight += change
+        self.metrics.router_inflight.set(self.inflight, tags={"role": "router", "engine": self.replica_id})
+
+    def _count(self, route: str, status: int) -> None:
+        self.metrics.requests.inc(tags={"route": route, "status": str(status)})
+        if status >= 400:
+            self.metrics.errors.inc(tags={"kind": error_kind(status)})

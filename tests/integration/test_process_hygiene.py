@@ -1,0 +1,128 @@
+"""An unclean stop leaves no engine behind, and the next start on the default ports is healthy.
+
+`ray stop --force` kills every Ray process on a machine, so the test runs the whole story in its
+own PID and network namespaces (`unshare`): there `ray stop --force` sees only the app the test
+started, and `serve run configs/serve.yaml` uses the file's default ports (HTTP 8000, KV 36000+)
+without touching anything outside. The namespaces and everything in them end with the test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.engine
+
+SCRIPT = r"""
+set -u
+ip link set lo up
+cd "$REPO"
+export RAY_TMPDIR="$WORK" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
+
+say() { echo "[hygiene] $*"; }
+engines() { ps -eo stat=,args= | awk '$1 !~ /^Z/ && $2 ~ /^VLLM::/' ; }
+healthy() {
+  for _ in $(seq 1 180); do
+    if curl -sf -m 2 localhost:8000/health >/dev/null; then return 0; fi
+    sleep 1
+  done
+  return 1
+}
+fail() { say "FAILED: $*"; ps -eo pid,ppid,stat,args; for f in "$WORK"/run*.log; do echo "== $f"; tail -n 40 "$f"; done; exit 1; }
+
+.venv/bin/serve run configs/serve.yaml >"$WORK/run1.log" 2>&1 &
+first=$!
+healthy || fail "the first start never became healthy"
+curl -sf -m 60 localhost:8000/v1/completions -H 'content-type: application/json' \
+  -d '{"prompt": "The river", "max_tokens": 8}' >/dev/null || fail "the first start did not answer"
+[ -n "$(engines)" ] || fail "no VLLM engine process found while the app runs"
+say "app healthy with $(engines | wc -l) engine processes; ray stop --force"
+
+.venv/bin/ray stop --force >"$WORK/stop.log" 2>&1
+kill -9 "$first" 2>/dev/null
+for i in $(seq 1 30); do
+  [ -z "$(engines)" ] && break
+  sleep 1
+done
+[ -z "$(engines)" ] || fail "VLLM processes still alive 30 s after ray stop --force"
+say "no engine process left after ${i} s"
+
+.venv/bin/serve run configs/serve.yaml >"$WORK/run2.log" 2>&1 &
+second=$!
+healthy || fail "the second start on the default ports never became healthy"
+curl -sf -m 60 localhost:8000/v1/completions -H 'content-type: application/json' \
+  -d '{"prompt": "The river", "max_tokens": 8}' >/dev/null || fail "the second start did not answer"
+say "second start healthy; stopping it"
+kill -TERM "$second"
+wait "$second"
+say "OK"
+"""
+
+
+def _can_unshare() -> str | None:
+    if not shutil.which("unshare") or not shutil.which("ip"):
+        return "unshare or ip (iproute2) is not installed"
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--net", "--mount-proc", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"this machine cannot create PID and network namespaces: {probe.stderr.strip()}"
+    return None
+
+
+def test_ray_stop_force_leaves_no_engine_and_the_next_start_is_healthy():
+    reason = _can_unshare()
+    if reason:
+        pytest.skip(reason)
+    work = Path(tempfile.mkdtemp(prefix="pdh-", dir="/tmp"))  # short: Ray's socket paths are limited
+    try:
+        env = {**os.environ, "REPO": str(REPO_ROOT), "WORK": str(work)}
+        result = subprocess.run(
+            ["unshare", "--pid", "--fork", "--net", "--mount-proc", "bash", "-c", SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+        assert "[hygiene] OK" in result.stdout
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_busy_kv_port_is_replaced_by_a_free_one(cluster):
+    """Something (here: this test) holds the port the config gives decode-0's KV side channel:
+    the engine starts on a free port instead, says so naming the holder, posts its real port
+    with every KVReady, and disaggregated requests work."""
+    import socket
+
+    from tests.integration.conftest import LogWatch, completion_ids, deployed, token_pattern, wait_idle
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    busy = holder.getsockname()[1]
+    logs = LogWatch()
+    args = {
+        "served_model_name": "tiny-llama",
+        "prefill": {"replicas": 1, "num_cpus": 0.1},
+        "decode": {"replicas": 1, "num_cpus": 0.1},
+        "router": {"mode": "disaggregated", "num_cpus": 0.05},
+        "kv_port_base": busy - 16,  # prefill-0 gets busy - 16, decode-0 the busy port
+    }
+    try:
+        with deployed(cluster, "busyport", args) as app:
+            endpoint = app.snapshot()["engines"]["decode-0"]["kv_endpoint"]
+            assert endpoint["port"] != busy and endpoint["host"] == "127.0.0.1"
+            _, tokens = completion_ids(app, token_pattern(200, seed=901), max_tokens=8)
+            assert len(tokens) == 8
+            wait_idle(app)
+            text = logs.new_text()
+            assert f"KV port {busy} on 127.0.0.1 is in use by pid {os.getpid()}" in text, text[-2000:]
+    finally:
+        holder.close()

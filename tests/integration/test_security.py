@@ -1,0 +1,130 @@
+"""Nothing a client sends steers an engine's KV transfer, on real engines.
+
+The app is colocated but has a prefill engine, so its decode engine loads the KV connector: a
+request carrying its own ``kv_transfer_params`` would otherwise make that connector post block
+ids to any URL and wait for KV that never comes. A local HTTP server stands in for the target
+and counts every request that reaches it.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from serve_app.protocol import EngineRequest, KVReady, TokenDelta
+from tests.integration.conftest import deployed, engine_handles, post, wait_idle
+
+pytestmark = pytest.mark.engine
+
+ARGS = {
+    "served_model_name": "tiny-llama",
+    "max_model_len": 2048,
+    "prefill": {"replicas": 1, "num_cpus": 0.1},
+    "decode": {"replicas": 1, "num_cpus": 0.1},
+    "router": {"mode": "colocated", "num_cpus": 0.05},
+}
+
+
+class Target:
+    """A local HTTP server that records every request (the SSRF target)."""
+
+    def __init__(self) -> None:
+        hits: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                hits.append(self.path)
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            do_GET = do_POST  # noqa: N815
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.hits = hits
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/steal"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(cluster) -> Iterator:
+    with deployed(cluster, "sec", ARGS) as app:
+        yield app
+
+
+@pytest.fixture
+def target() -> Iterator[Target]:
+    t = Target()
+    yield t
+    t.close()
+
+
+def steering(target: Target) -> dict:
+    return {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": target.url, "request_id": "x1"}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("where", ["top", "vllm_xargs"])
+def test_client_kv_transfer_params_are_refused_at_once(app, target, path, stream, where):
+    body: dict = {"max_tokens": 4, "stream": stream}
+    body.update({"prompt": "The river"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})
+    if where == "top":
+        body["kv_transfer_params"] = steering(target)
+    else:
+        body["vllm_xargs"] = {"kv_transfer_params": "x"}
+    started = time.monotonic()
+    response = post(app, path, body, timeout=30)
+    assert time.monotonic() - started < 1.0
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "kv_transfer_params" in error["param"]
+    time.sleep(0.2)
+    assert target.hits == []
+    wait_idle(app)
+
+
+def test_the_engine_ignores_kv_transfer_params_in_extra_args(app, target):
+    """Defence in depth: even if a request reached the decode engine with kv_transfer_params in
+    its sampling params' extra_args, the engine wrapper replaces them with the router's (none,
+    for a colocated attempt): the connector posts nothing and the request runs normally."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0, extra_args={"kv_transfer_params": steering(target), "other": 1})
+    handle = engine_handles(app, "decode")["decode-0"]
+    events = list(handle.options(stream=True).generate.remote(EngineRequest("sec-direct-1", [5, 6, 7, 8], params, None)))
+    assert not any(isinstance(e, KVReady) for e in events)
+    tokens = [t for e in events if isinstance(e, TokenDelta) for t in e.token_ids]
+    assert len(tokens) == 6 and events[-1].finish_reason == "length"
+    time.sleep(0.5)
+    assert target.hits == []
+    wait_idle(app)
+
+
+def test_a_request_the_engine_refuses_is_a_400_not_a_retry(app):
+    """vLLM checks some fields against the model only when a request is added (a logit_bias
+    token outside the vocabulary): that is the client's error, answered at once, never retried."""
+    started = time.monotonic()
+    response = post(app, "/v1/completions", {"prompt": "x", "max_tokens": 4, "logit_bias": {"999999": 5}}, timeout=30)
+    assert time.monotonic() - started < 5
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    wait_idle(app)
+
+
+def test_the_unchanged_request_still_works(app):
+    response = requests.post(app.base_url + "/v1/completions", json={"prompt": "The river", "max_tokens": 5}, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+    assert json.loads(json.dumps(response.json()))["choices"][0]["finish_reason"] == "length"

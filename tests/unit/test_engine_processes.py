@@ -1,0 +1,115 @@
+"""Engine process hygiene without Ray: the parent watchdog, and settling the KV port at start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from serve_app.engines.kv_endpoint import KVPortBusy, port_holder, settle_kv_endpoint
+from serve_app.engines.watchdog import ENV
+
+PARENT = textwrap.dedent(
+    """
+    import multiprocessing, os, sys, time
+
+    def child():
+        from serve_app.engines.watchdog import install
+        install()
+        time.sleep(60)
+
+    if __name__ == "__main__":
+        ctx = multiprocessing.get_context("spawn")
+        p = ctx.Process(target=child, daemon=False)
+        p.start()
+        print(p.pid, flush=True)
+        time.sleep(60)
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, just not reaped yet
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_an_engine_child_process_dies_with_its_parent(tmp_path, enabled):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    env = {**os.environ, ENV: "1" if enabled else "0", "PYTHONPATH": os.getcwd()}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)  # the child is up and, when enabled, watching
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive(child) is not enabled
+    finally:
+        parent.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+
+
+def test_the_watchdog_stays_out_of_processes_that_are_not_engine_children(monkeypatch):
+    import serve_app.engines.watchdog as watchdog
+
+    monkeypatch.setattr(watchdog, "_started", False)
+    monkeypatch.setenv(ENV, "1")
+    watchdog.install()  # this pytest process has no multiprocessing parent
+    assert watchdog._started is False
+
+
+def kv_kwargs(port: int) -> dict:
+    return {"model": "m", "kv_transfer_config": {"kv_connector": "X", "kv_role": "kv_consumer", "kv_port": port, "engine_id": "decode-0"}}
+
+
+def test_a_free_port_is_kept():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kwargs, endpoint = settle_kv_endpoint(kv_kwargs(port), listens=True, fallback=True)
+    assert endpoint is not None and (endpoint.engine_id, endpoint.host, endpoint.port) == ("decode-0", "127.0.0.1", port)
+    assert kwargs["kv_transfer_config"]["kv_port"] == port
+    assert kwargs["kv_transfer_config"]["kv_connector_extra_config"]["kv_host"] == "127.0.0.1"
+
+
+def test_a_busy_port_is_replaced_or_refused_naming_its_holder():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    busy = holder.getsockname()[1]
+    try:
+        original = kv_kwargs(busy)
+        kwargs, endpoint = settle_kv_endpoint(original, listens=True, fallback=True)
+        assert endpoint is not None and endpoint.port != busy
+        assert kwargs["kv_transfer_config"]["kv_port"] == endpoint.port
+        assert original["kv_transfer_config"]["kv_port"] == busy  # the spec is left alone
+        with pytest.raises(KVPortBusy, match=f"KV port {busy} .* in use by pid {os.getpid()}"):
+            settle_kv_endpoint(kv_kwargs(busy), listens=True, fallback=False)
+        assert port_holder(busy).startswith(f"pid {os.getpid()}")
+        # An engine that only connects out (the CPU prefill) does not care.
+        _, endpoint = settle_kv_endpoint(kv_kwargs(busy), listens=False, fallback=False)
+        assert endpoint is not None and endpoint.port == busy
+    finally:
+        holder.close()
+
+
+def test_an_engine_without_a_connector_has_no_endpoint():
+    kwargs, endpoint = settle_kv_endpoint({"model": "m"}, listens=True, fallback=True)
+    assert endpoint is None and kwargs == {"model": "m"}

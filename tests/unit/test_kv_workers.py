@@ -1,0 +1,545 @@
+"""The connector's workers over real loopback TCP, with small CPU tensors as the KV caches:
+the decode worker's receive path (what it writes, when, and what it refuses) and the prefill
+worker's push.
+
+Every refusal test checks three things: the bad frame fails only the transfer it authenticated
+for (or none, when it could not authenticate), it does so at once (well before the deadline),
+and every other transfer still lands bit for bit.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from serve_app.kv.consumer import ConsumerWorker
+from serve_app.kv.metadata import LayerwiseMetadata, LayerwiseStats, RecvSpec, SendSpec
+from serve_app.kv.producer import FrameSender, ProducerWorker
+from serve_app.kv.wire import KIND_LAYER, MAGIC, PREAMBLE, WIRE_VERSION, encode_frame, tensor_bytes
+from tests.unit.kv_helpers import (
+    HOST,
+    KV_SHAPE,
+    LAYERS,
+    Peer,
+    arm,
+    assert_caches_equal,
+    compat,
+    expected_after,
+    free_port,
+    layer_data,
+    patterned_caches,
+    poll_until,
+    port_of,
+    settings,
+    snapshot,
+    wait_for,
+)
+
+FAST_S = 2.0  # "at once": far below the 30 s deadline every test arms with
+
+
+@pytest.fixture
+def consumer():
+    worker = ConsumerWorker(settings())
+    worker.register_kv_caches(patterned_caches(seed=1))
+    yield worker
+    worker.close()
+
+
+@pytest.fixture
+def peers(consumer):
+    opened: list[Peer] = []
+
+    def open_peer() -> Peer:
+        peer = Peer(port_of(consumer))
+        opened.append(peer)
+        return peer
+
+    yield open_peer
+    for peer in opened:
+        peer.close()
+
+
+def deliver(peer: Peer, tid: str, secret: str, block_ids: list[int], seed: int) -> dict[str, torch.Tensor]:
+    data = layer_data(len(block_ids), seed)
+    peer.layers(tid, secret, block_ids, data)
+    peer.done(tid, secret, frames=len(LAYERS))
+    return data
+
+
+def settle(consumer: ConsumerWorker, req_id: str) -> tuple[set[str], set[str], float]:
+    started = time.monotonic()
+    finished, failed = poll_until(consumer, req_id, timeout=FAST_S)
+    return finished, failed, time.monotonic() - started
+
+
+# ---------------------------------------------------------------------------- the good path
+def test_consumer_writes_received_layers_into_named_blocks(consumer, peers):
+    before = snapshot(consumer.kv.layers)
+    secret = arm(consumer, "req-1", "t-1", [2, 5, 6], num_tokens=9)
+    peer = peers()
+    data = layer_data(2, seed=1)
+    peer.layers("t-1", secret, [5, 2], data)  # any order within the request's blocks
+    peer.done("t-1", secret, frames=2)
+    finished, failed = poll_until(consumer, "req-1")
+    assert finished == {"req-1"} and failed == set()
+    assert_caches_equal(consumer.kv.layers, expected_after(before, [5, 2], data))
+    records = consumer.take_records()
+    rec = records["t-1"]
+    assert rec["outcome"] == "done" and rec["error"] is None
+    assert (rec["tokens_received"], rec["frames_received"], rec["layers_received"]) == (9, 2, 2)
+    assert rec["bytes_received"] == 2 * 2 * KV_SHAPE[1] * KV_SHAPE[2] * KV_SHAPE[3] * 4
+    assert rec["armed_at"] <= rec["first_layer_at"] <= rec["last_layer_at"] <= rec["settled_at"]
+    assert consumer.take_records() == {}
+    assert consumer.results() == (set(), set())  # reported once
+
+
+def test_consumer_frames_before_arming_are_applied_once_armed(consumer, peers):
+    before = snapshot(consumer.kv.layers)
+    peer = peers()
+    data = deliver(peer, "t-1", "secret-of-t-1", [6, 7], seed=7)
+    wait_for(lambda: len(consumer._early.get("t-1", [])) == 3)
+    assert_caches_equal(consumer.kv.layers, before)  # nothing written before arming
+    arm(consumer, "req-1", "t-1", [6, 7])
+    assert consumer.results() == ({"req-1"}, set())
+    assert_caches_equal(consumer.kv.layers, expected_after(before, [6, 7], data))
+    assert "t-1" not in consumer._early and consumer._early_bytes == 0
+
+
+def test_consumer_failed_frame_fails_it(consumer, peers):
+    secret = arm(consumer, "req-1", "t-1", [2, 5])
+    peers().failed("t-1", secret, "prefill died")
+    finished, failed = poll_until(consumer, "req-1")
+    assert failed == {"req-1"} and finished == {"req-1"}
+    assert consumer.take_records()["t-1"]["error"] == "prefill died"
+
+
+def test_consumer_missing_layer_fails_it(consumer, peers):
+    secret = arm(consumer, "req-1", "t-1", [2, 5])
+    peer = peers()
+    peer.layer("t-1", secret, [2, 5], layer_data(2, seed=3)["l0"])
+    peer.done("t-1", secret, frames=1)
+    _, failed = poll_until(consumer, "req-1")
+    assert failed == {"req-1"}
+    assert "1 of 2 layers" in consumer.take_records()["t-1"]["error"]
+
+
+def test_consumer_deadline_fails_it(consumer):
+    arm(consumer, "req-1", "t-1", [2, 5], timeout_s=0.01)
+    finished, failed = poll_until(consumer, "req-1")
+    assert failed == {"req-1"} and finished == {"req-1"}
+    assert "no complete KV" in consumer.take_records()["t-1"]["error"]
+
+
+def test_consumer_abort_while_waiting_reports_finished_and_drops_late_frames(consumer, peers):
+    before = snapshot(consumer.kv.layers)
+    secret = arm(consumer, "req-1", "t-1", [2, 5])
+    consumer.on_step(LayerwiseMetadata(finished=["req-1"]))
+    assert consumer.results() == ({"req-1"}, set())
+    assert consumer.take_records()["t-1"]["outcome"] == "aborted"
+    # Late frames for the aborted transfer, then a second transfer on the same connection.
+    peer = peers()
+    deliver(peer, "t-1", secret, [2, 5], seed=4)
+    secret2 = arm(consumer, "req-2", "t-2", [0])
+    data2 = deliver(peer, "t-2", secret2, [0], seed=5)
+    finished, failed = poll_until(consumer, "req-2")
+    assert finished == {"req-2"} and failed == set()
+    assert_caches_equal(consumer.kv.layers, expected_after(before, [0], data2))
+    assert "t-1" not in consumer._early  # not kept for a later arming either
+    assert set(consumer.take_records()) == {"t-2"}
+
+
+def test_consumer_abort_drops_frames_already_queued(consumer, peers):
+    """Frames that arrived, but were not written yet, when the abort reaches the worker."""
+    before = snapshot(consumer.kv.layers)
+    secret = arm(consumer, "req-1", "t-1", [2, 5])
+    peers().layers("t-1", secret, [2, 5], layer_data(2, seed=6))
+    wait_for(lambda: len(consumer._queue) == 2)
+    consumer.on_step(LayerwiseMetadata(finished=["req-1"]))
+    assert consumer.results() == ({"req-1"}, set())
+    assert_caches_equal(consumer.kv.layers, before)
+
+
+def test_consumer_finished_unknown_request_is_not_reported(consumer):
+    consumer.on_step(LayerwiseMetadata(finished=["never-armed"]))
+    assert consumer.results() == (set(), set())
+
+
+# ---------------------------------------------------------------------------- refusals
+def two_transfers(consumer):
+    """t-good (on its own connection) and t-bad (whose producer misbehaves), both armed."""
+    good = arm(consumer, "req-good", "t-good", [0, 1])
+    bad = arm(consumer, "req-bad", "t-bad", [4, 5])
+    return good, bad
+
+
+def assert_good_lands(consumer, peers, secret, before) -> None:
+    data = deliver(peers(), "t-good", secret, [0, 1], seed=40)
+    finished, failed = poll_until(consumer, "req-good")
+    assert "req-good" in finished and "req-good" not in failed
+    assert_caches_equal({k: v[[0, 1]] for k, v in consumer.kv.layers.items()}, data)
+    untouched = [b for b in range(KV_SHAPE[0]) if b not in (0, 1)]
+    for name in LAYERS:
+        assert torch.equal(consumer.kv.layers[name][untouched], before[name][untouched])
+
+
+def assert_failed_at_once(consumer, req_id: str, match: str) -> None:
+    finished, failed, took = settle(consumer, req_id)
+    assert req_id in failed and took < FAST_S
+    tid = "t-" + req_id.split("-", 1)[1]
+    assert match in consumer.take_records()[tid]["error"]
+
+
+def test_oversize_header_fails_only_its_own_transfer_at_once(consumer, peers):
+    before = snapshot(consumer.kv.layers)
+    good, bad = two_transfers(consumer)
+    peer = peers()
+    peer.layer("t-bad", bad, [4, 5], layer_data(2, seed=41)["l0"])  # authenticates t-bad here
+    peer.send([PREAMBLE.pack(MAGIC, WIRE_VERSION, KIND_LAYER, 0, compat(), 1 << 30, 0)])
+    assert peer.closed_by_peer()
+    assert_failed_at_once(consumer, "req-bad", "header of")
+    assert_good_lands(consumer, peers, good, before)
+
+
+def test_wrong_dtype_is_refused_before_its_bytes_are_read(consumer, peers):
+    before = snapshot(consumer.kv.layers)
+    good, bad = two_transfers(consumer)
+    peer = peers()
+    peer.layer("t-bad", bad, [4, 5], layer_data(2, seed=42)["l0"])
+    half = layer_data(2, seed=42)["l1"].to(torch.bfloat16)  # another dtype: another layout hash
+    other = compat() ^ 1
+    peer.layer("t-bad", bad, [4, 5], half, layer="l1", compat_hash=other)
+    assert peer.closed_by_peer()
+    assert_failed_at_once(consumer, "req-bad", "KV layout differs")
+    assert_good_lands(consumer, peers, good, before)
+
+
+def test_short_payload_fails_its_transfer_at_once(consumer, peers):
+    before = snapshot(consumer.kv.layers)
+    good, bad = two_transfers(consumer)
+    peer = peers()
+    one_block = layer_data(1, seed=43)["l0"]
+    peer.layer("t-bad", bad, [4, 5], one_block)  # names two blocks, carries one
+    assert peer.closed_by_peer()
+    assert_failed_at_once(consumer, "req-bad", "does not hold 2 blocks")
+    assert_good_lands(consumer, peers, good, before)
+
+
+def test_payload_cut_off_mid_frame_fails_its_transfer_at_once(consumer, peers):
+    before = snapshot(consumer.kv.layers)
+    good, bad = two_transfers(consumer)
+    peer = peers()
+    parts = encode_frame(
+        KIND_LAYER,
+        compat(),
+        {"transfer": "t-bad", "secret": bad, "layer": "l0", "block_ids": [4, 5]},
+        [tensor_bytes(layer_data(2, seed=44)["l0"])],
+    )
+    peer.send(parts[:2] + [bytes(parts[2])[:100]])
+    peer.close()
+    assert_failed_at_once(consumer, "req-bad", "mid-frame")
+    assert_good_lands(consumer, peers, good, before)
+
+
+@pytest.mark.parametrize("secret", ["", "guess", None])
+def test_a_frame_without_the_secret_is_dropped_and_fails_nothing(consumer, peers, secret):
+    before = snapshot(consumer.kv.layers)
+    good, _ = two_transfers(consumer)
+    intruder = peers()
+    header = {"transfer": "t-good", "layer": "l0", "block_ids": [0, 1]}
+    if secret is not None:
+        header["secret"] = secret
+    intruder.send(encode_frame(KIND_LAYER, compat(), header, [tensor_bytes(torch.zeros((2, *KV_SHAPE[1:])))]))
+    assert intruder.closed_by_peer()
+    consumer.on_step(LayerwiseMetadata())
+    assert consumer.results() == (set(), set())  # t-good is not failed by someone without its secret
+    assert_caches_equal(consumer.kv.layers, before)
+    if secret:  # a well-formed frame with a wrong secret is counted as rejected
+        assert consumer.rejected_frames == 1
+    assert_good_lands(consumer, peers, good, before)
+
+
+def test_a_frame_for_another_transfer_fails_the_sender_not_the_victim(consumer, peers):
+    before = snapshot(consumer.kv.layers)
+    good, bad = two_transfers(consumer)
+    peer = peers()
+    peer.layer("t-bad", bad, [4, 5], layer_data(2, seed=45)["l0"])
+    peer.layer("t-good", bad, [0, 1], layer_data(2, seed=45)["l1"])  # t-bad's secret, t-good's id
+    assert peer.closed_by_peer()
+    assert_failed_at_once(consumer, "req-bad", "wrong secret for transfer t-good")
+    assert_good_lands(consumer, peers, good, before)
+
+
+def test_a_frame_for_a_prefix_cached_block_fails_its_transfer(consumer, peers):
+    """The scheduler side arms only the blocks after the prefix-cached ones; block 3 here is a
+    cached block the request shares, block 4 its own."""
+    before = snapshot(consumer.kv.layers)
+    good = arm(consumer, "req-good", "t-good", [0, 1])
+    bad = arm(consumer, "req-bad", "t-bad", [4])
+    peer = peers()
+    peer.layer("t-bad", bad, [3, 4], layer_data(2, seed=46)["l0"])
+    assert peer.closed_by_peer()
+    assert_failed_at_once(consumer, "req-bad", "may not write")
+    assert torch.equal(consumer.kv.layers["l0"][3], before["l0"][3])
+    assert_good_lands(consumer, peers, good, before)
+
+
+def test_a_second_arm_of_the_same_id_fails_at_once_and_the_first_lands(consumer, peers):
+    before = snapshot(consumer.kv.layers)
+    first = arm(consumer, "req-1", "t-1", [0, 1])
+    consumer.on_step(LayerwiseMetadata(recv=[RecvSpec("req-2", "t-1", "other", [4, 5], 8, 30.0)]))
+    assert consumer.results() == ({"req-2"}, {"req-2"})
+    data = deliver(peers(), "t-1", first, [0, 1], seed=47)
+    finished, failed = poll_until(consumer, "req-1")
+    assert finished == {"req-1"} and failed == set()
+    assert_caches_equal(consumer.kv.layers, expected_after(before, [0, 1], data))
+    records = consumer.take_records()
+    assert records["t-1"]["outcome"] == "done"
+    assert any(key.startswith("t-1#rejected") and r["outcome"] == "failed" for key, r in records.items())
+
+
+def test_an_id_rejected_by_the_scheduler_side_fails_at_once(consumer):
+    spec = RecvSpec("req-1", "t-1", "s", [0], 4, 30.0, rejected="transfer id t-1 is already in use")
+    consumer.on_step(LayerwiseMetadata(recv=[spec]))
+    assert consumer.results() == ({"req-1"}, {"req-1"})
+
+
+def test_unarmed_frames_are_bounded_in_transfers(peers):
+    worker = ConsumerWorker(settings(max_early_transfers=2))
+    worker.register_kv_caches(patterned_caches(seed=1))
+    try:
+        peer = Peer(port_of(worker))
+        for i in range(3):
+            peer.done(f"t-{i}", "s", frames=0)
+        assert peer.closed_by_peer()
+        assert set(worker._early) == {"t-0", "t-1"}
+        # The transfer whose frame was dropped fails at once when it is armed.
+        arm(worker, "req-2", "t-2", [0])
+        assert worker.results() == ({"req-2"}, {"req-2"})
+        assert "early frames dropped" in worker.take_records()["t-2"]["error"]
+        peer.close()
+    finally:
+        worker.close()
+
+
+def test_unarmed_frames_are_bounded_in_bytes():
+    one_frame = 2 * KV_SHAPE[1] * KV_SHAPE[2] * KV_SHAPE[3] * 4 + 512
+    worker = ConsumerWorker(settings(max_early_bytes=one_frame + 100))
+    worker.register_kv_caches(patterned_caches(seed=1))
+    try:
+        peer = Peer(port_of(worker))
+        data = layer_data(2, seed=48)
+        peer.layer("t-1", "s", [0, 1], data["l0"])
+        peer.layer("t-1", "s", [0, 1], data["l1"], layer="l1")
+        assert peer.closed_by_peer()
+        assert worker._early_bytes <= one_frame + 100
+        peer.close()
+    finally:
+        worker.close()
+
+
+def test_connections_are_bounded():
+    worker = ConsumerWorker(settings(max_connections=2))
+    worker.register_kv_caches(patterned_caches(seed=1))
+    try:
+        kept = [Peer(port_of(worker)) for _ in range(2)]
+        time.sleep(0.2)
+        extra = Peer(port_of(worker))
+        assert extra.closed_by_peer()
+        assert worker.server.refused_connections == 1
+        kept[0].close()
+        time.sleep(0.2)
+        again = Peer(port_of(worker))  # a freed slot is reused
+        assert not again.closed_by_peer(timeout_s=0.3)
+        for p in (*kept, extra, again):
+            p.close()
+    finally:
+        worker.close()
+
+
+def test_frames_before_the_caches_are_registered_are_refused():
+    worker = ConsumerWorker(settings())
+    try:
+        peer = Peer(port_of(worker))
+        peer.done("t-1", "s", frames=0)
+        assert peer.closed_by_peer()
+        peer.close()
+    finally:
+        worker.close()
+
+
+def test_garbage_on_the_port_closes_only_that_connection(consumer, peers):
+    before = snapshot(consumer.kv.layers)
+    good, _ = two_transfers(consumer)
+    intruder = peers()
+    intruder.send([b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 64])
+    assert intruder.closed_by_peer()
+    assert_good_lands(consumer, peers, good, before)
+
+
+# ---------------------------------------------------------------------------- producer worker
+@pytest.fixture
+def producer():
+    worker = ProducerWorker(settings(is_producer=True))
+    worker.register_kv_caches(patterned_caches(seed=2))
+    yield worker
+    worker.close()
+
+
+def send_spec(
+    port: int, local: list[int], remote: list[int], num_tokens: int, last_chunk: bool, secret: str = "secret-of-t-1", **kw
+) -> SendSpec:
+    return SendSpec(
+        req_id="p-req",
+        transfer_id="t-1",
+        secret=secret,
+        host=HOST,
+        port=port,
+        local_block_ids=local,
+        remote_block_ids=remote,
+        num_tokens=num_tokens,
+        last_chunk=last_chunk,
+        **kw,
+    )
+
+
+def run_step(producer: ProducerWorker, spec: SendSpec) -> None:
+    meta = LayerwiseMetadata(send=[spec])
+    for name in LAYERS:
+        producer.push_layer(meta, name, producer.kv.layers[name])
+    producer.finish_step(meta)
+
+
+def test_producer_pushes_layers_the_consumer_writes(producer, consumer):
+    before = snapshot(consumer.kv.layers)
+    port = port_of(consumer)
+    arm(consumer, "d-req", "t-1", [0, 2, 5], num_tokens=8)
+    # Two chunked steps: local block 1 -> remote 2, then local 3 -> remote 5.
+    run_step(producer, send_spec(port, [1], [2], 4, last_chunk=False))
+    consumer.on_step(LayerwiseMetadata())
+    assert consumer.results() == (set(), set())
+    run_step(producer, send_spec(port, [3], [5], 4, last_chunk=True))
+    finished, failed = poll_until(consumer, "d-req")
+    assert finished == {"d-req"} and failed == set()
+    sent = {name: producer.kv.layers[name][[1, 3]] for name in LAYERS}
+    assert_caches_equal(consumer.kv.layers, expected_after(before, [2, 5], sent))
+
+    rec = producer.take_records()["t-1"]
+    assert rec["role"] == "prefill" and rec["outcome"] == "done" and "error" not in rec
+    assert rec["layers_pushed"] == 4 == len(rec["push_times"])
+    assert rec["tokens_pushed"] == 8 and rec["steps"] == 2
+    assert rec["bytes_pushed"] == 4 * KV_SHAPE[1] * KV_SHAPE[2] * KV_SHAPE[3] * 4
+    assert rec["first_layer_sent_at"] <= rec["last_layer_sent_at"] <= rec["forward_done_at"]
+    assert producer.take_records() == {}
+    assert consumer.take_records()["t-1"]["frames_received"] == 4
+
+
+def test_producer_unfinished_transfer_keeps_its_record(producer, consumer):
+    arm(consumer, "d-req", "t-1", [2])
+    run_step(producer, send_spec(port_of(consumer), [1], [2], 4, last_chunk=False))
+    assert producer.take_records() == {}  # only finished transfers are shipped
+
+
+def test_producer_error_spec_fails_the_consumer(producer, consumer):
+    before = snapshot(consumer.kv.layers)
+    arm(consumer, "d-req", "t-1", [2, 5])
+    run_step(producer, send_spec(port_of(consumer), [1], [2], 8, last_chunk=False, error="block list too short"))
+    finished, failed = poll_until(consumer, "d-req")
+    assert failed == {"d-req"}
+    assert consumer.take_records()["t-1"]["error"] == "block list too short"
+    assert_caches_equal(consumer.kv.layers, before)
+    rec = producer.take_records()["t-1"]
+    assert (rec["outcome"], rec["error"], rec["layers_pushed"], rec["tokens_pushed"]) == ("failed", "block list too short", 0, 0)
+
+
+def test_producer_unreachable_decode_fails_the_transfer(producer):
+    run_step(producer, send_spec(free_port(), [1], [2], 4, last_chunk=False))
+    rec = producer.take_records()["t-1"]
+    assert rec["outcome"] == "failed" and "push to" in rec["error"]
+    assert rec["layers_pushed"] == 0 and rec["tokens_pushed"] == 0
+
+
+def test_producer_with_the_wrong_secret_is_not_applied(producer, consumer):
+    before = snapshot(consumer.kv.layers)
+    arm(consumer, "d-req", "t-1", [2])
+    run_step(producer, send_spec(port_of(consumer), [1], [2], 4, last_chunk=True, secret="not-the-secret"))
+    wait_for(lambda: consumer.rejected_frames >= 1)
+    consumer.on_step(LayerwiseMetadata())
+    assert_caches_equal(consumer.kv.layers, before)
+
+
+def test_producer_pushes_bfloat16_kv(consumer):
+    worker = ProducerWorker(settings(is_producer=True))
+    receiver = ConsumerWorker(settings())
+    try:
+        caches = patterned_caches(seed=3, dtype=torch.bfloat16)
+        worker.register_kv_caches(caches)
+        receiver.register_kv_caches({k: torch.zeros(KV_SHAPE, dtype=torch.bfloat16) for k in LAYERS})
+        arm(receiver, "d-req", "t-1", [2])
+        run_step(worker, send_spec(port_of(receiver), [1], [2], 4, last_chunk=True))
+        finished, failed = poll_until(receiver, "d-req")
+        assert failed == set()
+        for name in LAYERS:
+            assert torch.equal(receiver.kv.layers[name][2], caches[name][1])
+    finally:
+        worker.close()
+        receiver.close()
+
+
+def test_frame_sender_reconnects_once_after_a_broken_connection(consumer):
+    sender = FrameSender(timeout_s=2.0)
+    try:
+        port = port_of(consumer)
+        sender.send(
+            HOST,
+            port,
+            encode_frame(
+                KIND_LAYER,
+                compat(),
+                {"transfer": "x", "secret": "s", "layer": "l0", "block_ids": [0]},
+                [tensor_bytes(torch.zeros((1, *KV_SHAPE[1:])))],
+            ),
+        )
+        conn = sender._conns[(HOST, port)]
+        conn.shutdown(socket.SHUT_RDWR)
+        secret = arm(consumer, "d-req", "t-2", [3])
+        data = layer_data(1, seed=50)
+        for name in LAYERS:
+            sender.send(
+                HOST,
+                port,
+                encode_frame(
+                    KIND_LAYER, compat(), {"transfer": "t-2", "secret": secret, "layer": name, "block_ids": [3]}, [tensor_bytes(data[name])]
+                ),
+            )
+        sender.send(HOST, port, encode_frame(2, compat(), {"transfer": "t-2", "secret": secret, "frames": 2}))
+        finished, failed = poll_until(consumer, "d-req")
+        assert finished == {"d-req"} and failed == set()
+    finally:
+        sender.close()
+
+
+# ---------------------------------------------------------------------------- stats
+def test_layerwise_stats_aggregate_merges_transfers():
+    a = LayerwiseStats(data={"transfers": {"t-1": {"outcome": "done"}, "t-2": {"outcome": "failed"}}})
+    b = LayerwiseStats(data={"transfers": {"t-2": {"outcome": "done"}, "t-3": {"outcome": "aborted"}}})
+    assert a.aggregate(b) is a
+    assert a.data == {"transfers": {"t-1": {"outcome": "done"}, "t-2": {"outcome": "done"}, "t-3": {"outcome": "aborted"}}}
+    assert a.reduce() == {"transfers": 3}
+    assert not a.is_empty()
+    empty = LayerwiseStats()
+    assert empty.is_empty() and empty.reduce() == {"transfers": 0}
+    assert empty.aggregate(LayerwiseStats()).data == {"transfers": {}}
+    a.reset()
+    assert a.is_empty() and a.data == {}
+
+
+def test_connector_build_kv_connector_stats():
+    from serve_app.kv.layerwise_connector import LayerwisePushConnector
+
+    stats = LayerwisePushConnector.build_kv_connector_stats({"transfers": {"t": {}}})
+    assert isinstance(stats, LayerwiseStats) and stats.reduce() == {"transfers": 1}
+    assert LayerwisePushConnector.build_kv_connector_stats(None).is_empty()

@@ -1,0 +1,66 @@
+"""pd-serve's logging inside replicas: records reach Serve's logger; cancelled requests' tasks
+do not print tracebacks, every other unretrieved exception still does."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from ray.exceptions import TaskCancelledError
+
+from serve_app.logs import LOGGER, quiet_cancelled_requests, to_serve_logs
+
+
+class Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def asyncio_records():
+    capture = Capture()
+    logger = logging.getLogger("asyncio")
+    logger.addHandler(capture)
+    yield capture.records
+    logger.removeHandler(capture)
+    logger.filters.clear()
+
+
+def report(exc: BaseException) -> None:
+    """What asyncio's default handler does with an exception nobody retrieved."""
+    loop = asyncio.new_event_loop()
+    try:
+        loop.default_exception_handler({"message": "Future exception was never retrieved", "exception": exc})
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("exc", [TaskCancelledError(), asyncio.CancelledError()])
+def test_a_cancelled_requests_unretrieved_exception_is_not_reported(asyncio_records, exc):
+    quiet_cancelled_requests()
+    report(exc)
+    assert asyncio_records == []
+
+
+def test_other_unretrieved_exceptions_are_still_reported(asyncio_records):
+    quiet_cancelled_requests()
+    quiet_cancelled_requests()  # idempotent
+    report(RuntimeError("a real bug"))
+    assert len(asyncio_records) == 1 and asyncio_records[0].exc_info[1].args == ("a real bug",)
+
+
+def test_pd_serve_records_go_through_the_serve_logger():
+    capture = Capture()
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addHandler(capture)
+    try:
+        to_serve_logs()
+        logging.getLogger(LOGGER + ".router").info("request %s ended", "cmpl-1")
+        assert [r.getMessage() for r in capture.records] == ["request cmpl-1 ended"]
+    finally:
+        serve_logger.removeHandler(capture)
