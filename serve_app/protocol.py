@@ -31,14 +31,14 @@ class TokenLogprob:
 class EngineRequest:
     """One attempt's work for one engine.
 
-    ``sampling_params`` is a ``vllm.SamplingParams`` (pickled through the handle); ``request_id``
+    ``sampling_params`` is a ``vllm.SamplingParams``, msgpack-encoded (``serve_app.sampling``); ``request_id``
     is the attempt id, unique per attempt and never reused, because an engine refuses a
     duplicate id and a late abort must not hit a later attempt.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: Any
+    sampling_params: bytes
     kv_transfer_params: dict[str, Any] | None = None
 
 

@@ -54,6 +54,8 @@ class Backend:
     # Whether prefill engines listen on their KV port too (Mooncake's handshake does; the CPU
     # connector's prefill only connects out).
     prefill_listens: bool = True
+    # The mock engine (no model) instead of vLLM: its costs come from the config's ``mock``.
+    mock_engine: bool = False
 
 
 CPU = Backend(
@@ -95,7 +97,20 @@ ASCEND = Backend(
     extra_config_has_tp_sizes=True,
 )
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (CPU, ASCEND)}
+MOCK = Backend(
+    name="mock",
+    kv_connector="MockPush",  # not a vLLM connector: the mock engine's own stand-in for one
+    kv_connector_module_path=None,
+    recompute_via=None,
+    router_env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+    push_records=True,
+    kv_port_fallback=True,
+    kv_ready_checks=("engine_id", "host", "port"),
+    prefill_listens=False,
+    mock_engine=True,
+)
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (CPU, ASCEND, MOCK)}
 
 RECV_DEADLINE_MARGIN_S = 5.0
 
@@ -182,6 +197,12 @@ def build_engine_kwargs(config: AppConfig, backend: Backend, role: Role, *, kv_p
         kwargs["kv_transfer_config"] = _kv_transfer_config(config, backend, role, kv_port, engine_id)
     if role == "decode" and config.decode.recompute and backend.recompute_via is not None:
         _enable_recompute(kwargs, backend)
+    if backend.mock_engine:
+        kwargs["mock"] = {
+            "costs": config.mock.model_dump(),
+            "recompute": role == "decode" and config.decode.recompute,
+            "recv_timeout_s": recv_timeout_s(config),
+        }
     return kwargs
 
 

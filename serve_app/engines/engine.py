@@ -11,28 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from serve_app.compat import CLIENT_ERRORS
+from serve_app.engines.records import Recent, TransferRecords
 from serve_app.protocol import EngineRejected, EngineRequest, EngineStats, Role, TokenDelta, TokenLogprob
+from serve_app.sampling import decode_sampling
 
 logger = logging.getLogger("pd_serve.engine")
-
-
-RECENT = 2048  # per-request records kept for inspection (tests, operators)
-
-
-class _Recent(OrderedDict):
-    """A bounded map: the oldest entries go first."""
-
-    def put(self, key: str, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > RECENT:
-            self.popitem(last=False)
 
 
 class _LoadTracker:
@@ -44,29 +32,8 @@ class _LoadTracker:
         self.num_waiting = 0
         self.kv_usage = 0.0
         self.updated_at = 0.0
-        self.transfers = _Recent()
+        self.transfers = TransferRecords()
         self.kv_counters: dict[str, int] = {}
-        self._waiters: dict[str, asyncio.Event] = {}
-
-    def add_transfers(self, records: dict[str, Any]) -> None:
-        for transfer_id, record in records.items():
-            self.transfers.put(transfer_id, record)
-            waiter = self._waiters.get(transfer_id)
-            if waiter is not None:
-                waiter.set()
-
-    async def transfer_record(self, transfer_id: str, timeout_s: float) -> dict[str, Any] | None:
-        """The connector's record of a transfer, waiting up to ``timeout_s`` for it to arrive
-        (it rides with the engine's stats, usually in the same batch as the request's output)."""
-        if transfer_id not in self.transfers:
-            waiter = self._waiters.setdefault(transfer_id, asyncio.Event())
-            try:
-                await asyncio.wait_for(waiter.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                self._waiters.pop(transfer_id, None)
-        return self.transfers.get(transfer_id)
 
     def logger_factory(self) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -84,7 +51,7 @@ class _LoadTracker:
                     tracker.kv_usage = float(scheduler_stats.kv_cache_usage)
                     tracker.updated_at = time.monotonic()
                     connector = scheduler_stats.kv_connector_stats or {}
-                    tracker.add_transfers(connector.get("transfers") or {})
+                    tracker.transfers.add(connector.get("transfers") or {})
                     tracker.kv_counters.update(connector.get("counters") or {})
 
             def log_engine_initialized(self) -> None:
@@ -105,9 +72,9 @@ class EngineRunner:
         # attempt id -> reserved tokens (prompt + max_tokens) of the requests this engine holds.
         self._inflight: dict[str, int] = {}
         # attempt id -> what the engine did with it (prompt tokens it did not compute, outcome).
-        self.requests = _Recent()
+        self.requests = Recent()
 
-    def start(self) -> None:
+    async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -193,10 +160,10 @@ class EngineRunner:
         )
 
     def transfers(self) -> dict[str, Any]:
-        return dict(self._load.transfers)
+        return self._load.transfers.all()
 
     async def transfer_record(self, transfer_id: str, timeout_s: float) -> dict[str, Any] | None:
-        return await self._load.transfer_record(transfer_id, timeout_s)
+        return await self._load.transfers.wait_for(transfer_id, timeout_s)
 
     def shutdown(self) -> None:
         if self.llm is not None:
@@ -211,7 +178,7 @@ def engine_sampling_params(request: EngineRequest) -> Any:
     steer the engine's KV transfer."""
     from vllm.sampling_params import RequestOutputKind
 
-    params = request.sampling_params.clone()
+    params = decode_sampling(request.sampling_params)
     params.output_kind = RequestOutputKind.DELTA
     # The router detokenizes (one stream across attempts) and matches stop strings itself.
     params.detokenize = False

@@ -8,15 +8,27 @@ import os
 from typing import Any
 
 from serve_app.engines.backends import BACKENDS, EngineSpec
-from serve_app.engines.engine import EngineRunner
 from serve_app.engines.kv_endpoint import settle_kv_endpoint
 from serve_app.logs import quiet_cancelled_requests, to_serve_logs
 from serve_app.metrics import engine_metrics
-from serve_app.protocol import EngineStats
+from serve_app.protocol import EngineStats, KVEndpoint
 
 logger = logging.getLogger("pd_serve.engine")
 
 GAUGE_INTERVAL_S = 1.0
+
+
+def make_runner(spec: EngineSpec, engine_kwargs: dict[str, Any], endpoint: KVEndpoint | None) -> Any:
+    """The engine behind a replica: vLLM's AsyncLLM, or the mock engine (``backend: mock``)."""
+    if spec.backend == "mock":
+        from serve_app.engines.mock import MockCosts, MockEngine
+
+        mock = engine_kwargs["mock"]
+        costs = MockCosts(**mock["costs"], recv_timeout_s=float(mock.get("recv_timeout_s", 60.0)))
+        return MockEngine(spec.name, spec.role, costs, endpoint, recompute=bool(mock.get("recompute", True)))
+    from serve_app.engines.engine import EngineRunner
+
+    return EngineRunner(spec.name, spec.role, engine_kwargs)
 
 
 class EngineServer:
@@ -29,9 +41,9 @@ class EngineServer:
         backend = BACKENDS[spec.backend]
         listens = spec.role == "decode" or backend.prefill_listens
         engine_kwargs, self.kv_endpoint = settle_kv_endpoint(spec.engine_kwargs, listens=listens, fallback=backend.kv_port_fallback)
-        self.runner = EngineRunner(spec.name, spec.role, engine_kwargs)
+        self.runner = make_runner(spec, engine_kwargs, self.kv_endpoint)
         # AsyncLLM binds its sockets to this event loop, so it is built here, not in a thread.
-        self.runner.start()
+        await self.runner.start()
         self._tags = {"role": spec.role, "engine": spec.name}
         self._metrics = engine_metrics()
         self._gauge_task = asyncio.get_running_loop().create_task(self._report_gauges())

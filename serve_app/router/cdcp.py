@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Collection
@@ -33,6 +34,7 @@ from serve_app.protocol import EngineRejected, EngineRequest, KVEndpoint, KVRead
 from serve_app.router.balancer import EngineLoad
 from serve_app.router.pool import EnginePool
 from serve_app.router.recompute import AttemptPlan, Phase
+from serve_app.sampling import encode_sampling
 
 logger = logging.getLogger("pd_serve.router")
 
@@ -141,11 +143,12 @@ class AttemptExecutor:
         params = params_template.clone()
         params.max_tokens = plan.max_tokens
         params.min_tokens = plan.min_tokens
+        encoded = encode_sampling(params)
         kv_params = None
         if plan.disaggregated:
             # The decode replica adds the URL of its own metaserver relay.
             kv_params = {"do_remote_prefill": True, "do_remote_decode": False, "request_id": plan.attempt_id}
-        request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, params, kv_params)
+        request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, encoded, kv_params)
         reserved = len(plan.prompt_token_ids) + plan.max_tokens
         with self.pool.lease(decode.name, reserved):
             stream = self.pool.handles[decode.name].options(stream=True).generate.remote(request)
@@ -307,9 +310,10 @@ class AttemptRun:
             pass
 
 
-def prefill_sampling_params() -> Any:
+@functools.cache
+def prefill_sampling_params() -> bytes:
     """Prefill computes the prompt's KV; the one token it samples is discarded."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+    return encode_sampling(SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY))

@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from serve_app.protocol import EngineRequest, KVReady, TokenDelta
+from serve_app.sampling import encode_sampling
 from tests.integration.conftest import deployed, engine_handles, post, wait_idle
 
 pytestmark = pytest.mark.engine
@@ -104,7 +105,8 @@ def test_the_engine_ignores_kv_transfer_params_in_extra_args(app, target):
 
     params = SamplingParams(max_tokens=6, temperature=0, extra_args={"kv_transfer_params": steering(target), "other": 1})
     handle = engine_handles(app, "decode")["decode-0"]
-    events = list(handle.options(stream=True).generate.remote(EngineRequest("sec-direct-1", [5, 6, 7, 8], params, None)))
+    request = EngineRequest("sec-direct-1", [5, 6, 7, 8], encode_sampling(params), None)
+    events = list(handle.options(stream=True).generate.remote(request))
     assert not any(isinstance(e, KVReady) for e in events)
     tokens = [t for e in events if isinstance(e, TokenDelta) for t in e.token_ids]
     assert len(tokens) == 6 and events[-1].finish_reason == "length"

@@ -1,0 +1,55 @@
+"""What an engine keeps about recent requests and KV transfers, for inspection and for
+``Prefill.run`` to learn how its push went."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Any
+
+RECENT = 2048  # per-request records kept for inspection (tests, operators)
+
+
+class Recent(OrderedDict):
+    """A bounded map: the oldest entries go first."""
+
+    def put(self, key: str, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > RECENT:
+            self.popitem(last=False)
+
+
+class TransferRecords:
+    """The connector's per-transfer records, as they arrive, and waiters for a given one."""
+
+    def __init__(self) -> None:
+        self._records = Recent()
+        self._waiters: dict[str, asyncio.Event] = {}
+
+    def add(self, records: dict[str, Any]) -> None:
+        for transfer_id, record in records.items():
+            self._records.put(transfer_id, record)
+            waiter = self._waiters.get(transfer_id)
+            if waiter is not None:
+                waiter.set()
+
+    def get(self, transfer_id: str) -> dict[str, Any] | None:
+        return self._records.get(transfer_id)
+
+    def all(self) -> dict[str, Any]:
+        return dict(self._records)
+
+    async def wait_for(self, transfer_id: str, timeout_s: float) -> dict[str, Any] | None:
+        """The record of ``transfer_id``, waiting up to ``timeout_s`` for it to arrive (a vLLM
+        connector's records ride with the engine's stats, usually in the same batch as the
+        request's last output)."""
+        if transfer_id not in self._records:
+            waiter = self._waiters.setdefault(transfer_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(waiter.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._waiters.pop(transfer_id, None)
+        return self._records.get(transfer_id)

@@ -1,0 +1,29 @@
+"""Sampling parameters on their way from the router to an engine.
+
+The router builds a vLLM ``SamplingParams`` (with vLLM's own request models) and sends it to the
+engines msgpack-encoded, as vLLM's own engine core protocol does: plain bytes cross the Ray
+handle, a vLLM engine decodes them back into ``SamplingParams``, and the mock engine reads the
+few fields it needs without importing vLLM (or torch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+def encode_sampling(params: Any) -> bytes:
+    return msgspec.msgpack.encode(params)
+
+
+def decode_sampling(raw: bytes) -> Any:
+    from vllm import SamplingParams
+
+    return msgspec.msgpack.decode(raw, type=SamplingParams)
+
+
+def sampling_fields(raw: bytes) -> dict[str, Any]:
+    """The encoded parameters' fields that differ from vLLM's defaults, as a plain dict."""
+    fields = msgspec.msgpack.decode(raw)
+    return fields if isinstance(fields, dict) else {}
