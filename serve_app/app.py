@@ -19,6 +19,16 @@ from serve_app.engines.backends import BACKENDS, EngineSpec, engine_specs
 
 ENGINE_MAX_ONGOING_REQUESTS = 1024
 
+# Serve's per-replica knobs of its throughput-optimized mode: run user code and the handle router
+# on the replica's main event loop rather than on threads of their own, so a request or a
+# streamed item does not hop between threads (and contend for the GIL) on its way through. Our
+# replicas never block their loop for long (vLLM's AsyncLLM is async; the router's tokenization is
+# short).
+SERVE_REPLICA_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
 
 @dataclass(frozen=True)
 class Plugins:
@@ -58,7 +68,7 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
             graceful_shutdown_timeout_s=5,
             # The router polls stats twice a second; access logs would be mostly that.
             logging_config={"enable_access_log": False},
-            ray_actor_options={"num_cpus": spec.num_cpus, "runtime_env": {"env_vars": spec.env}},
+            ray_actor_options={"num_cpus": spec.num_cpus, "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **spec.env}}},
         ).bind(spec)
     router = config.router
     return Router.options(
@@ -67,7 +77,7 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
         max_ongoing_requests=router.max_ongoing_requests,
         ray_actor_options={
             "num_cpus": router.num_cpus,
-            "runtime_env": {"env_vars": dict(BACKENDS[config.backend].router_env)},
+            "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **BACKENDS[config.backend].router_env}},
         },
     ).bind(config.model_dump(mode="json"), engines)
 

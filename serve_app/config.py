@@ -61,6 +61,13 @@ class TimeoutsConfig(_Strict):
     request_s: float = Field(600.0, gt=0, description="whole client request")
 
 
+class RouterHTTPConfig(_Strict):
+    """Where the router replicas serve the OpenAI HTTP API themselves (router/direct_http.py)."""
+
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int | None = Field(None, ge=1, le=65535, description="port; none: only Serve's HTTP proxy (if enabled) serves HTTP")
+
+
 class RouterConfig(_Strict):
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
     num_replicas: int = Field(1, ge=1)
@@ -68,7 +75,11 @@ class RouterConfig(_Strict):
     max_attempts: int = Field(4, ge=1, le=64, description="attempts per client request (recompute + faults)")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     stats_interval_s: float = Field(0.5, gt=0, description="how often engine stats are polled")
+    engine_transport: Literal["grpc", "ray"] = Field(
+        "grpc", description="how router-engine calls travel: Serve's gRPC transport (default) or Ray object references"
+    )
     max_ongoing_requests: int = Field(1024, ge=1)
+    http: RouterHTTPConfig = Field(default_factory=RouterHTTPConfig)
 
 
 class MockConfig(_Strict):
@@ -103,6 +114,14 @@ class AppConfig(_Strict):
     )
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description="merged into both roles' kv_connector_extra_config")
     mock: MockConfig = Field(default_factory=MockConfig, description="the mock engine's costs (backend: mock only)")
+    stream_items_per_s: float = Field(
+        400.0,
+        ge=0,
+        description=(
+            "items per second an engine replica streams, all its requests together (engines/pacing.py): "
+            "a lone request gets every token at once; concurrent ones get several tokens per item. 0: no pacing"
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_topology(self) -> AppConfig:

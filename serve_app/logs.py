@@ -9,7 +9,10 @@ format, with the same request ids as Serve's own, and the dashboard shows them t
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import logging.handlers
+from collections.abc import Iterator
 
 LOGGER = "pd_serve"
 
@@ -59,3 +62,22 @@ def quiet_cancelled_requests() -> None:
     asyncio_logger = logging.getLogger("asyncio")
     if not any(isinstance(f, _CancelledRequestFilter) for f in asyncio_logger.filters):
         asyncio_logger.addFilter(_CancelledRequestFilter())
+
+
+@contextlib.contextmanager
+def serve_log_file_kept() -> Iterator[None]:
+    """Keep this replica's Serve log file working across vLLM's start.
+
+    When vLLM starts an engine it applies its logging config with ``logging.config.dictConfig``,
+    which closes every handler in the process: Serve's replica log file
+    (``logs/serve/replica_*.log``) would receive nothing more. Serve writes that file through a
+    ``MemoryHandler`` whose ``close`` drops its target; this puts the target back (the file handler
+    reopens its file on the next record).
+    """
+    saved = [(h, h.target) for h in logging.getLogger("ray.serve").handlers if isinstance(h, logging.handlers.MemoryHandler)]
+    try:
+        yield
+    finally:
+        for handler, target in saved:
+            if handler.target is None and target is not None:
+                handler.target = target

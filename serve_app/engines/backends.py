@@ -18,10 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.config import AppConfig, EngineGroupConfig
+from serve_app.engines.spin import ENV as SPIN_ENV
 from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
 from serve_app.protocol import Role
 
 MiB = 1 << 20
+# How long a CPU engine's processes spin for their next step before sleeping (engines/spin.py).
+ENGINE_SPIN_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ CPU = Backend(
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         WATCHDOG_ENV: "1",
+        SPIN_ENV: str(ENGINE_SPIN_S),
     },
     router_env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
     pins_cpu_threads=True,
@@ -133,6 +137,7 @@ class EngineSpec:
     health_check_period_s: float
     health_check_timeout_s: float
     backend: str = "cpu"
+    stream_items_per_s: float = 400.0
 
     @property
     def push_records(self) -> bool:
@@ -164,6 +169,7 @@ def engine_specs(config: AppConfig) -> list[EngineSpec]:
                     health_check_period_s=group.health_check_period_s,
                     health_check_timeout_s=group.health_check_timeout_s,
                     backend=backend.name,
+                    stream_items_per_s=config.stream_items_per_s,
                 )
             )
     return specs

@@ -12,10 +12,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 from serve_app.compat import CLIENT_ERRORS
+from serve_app.engines.pacing import StreamPacer
 from serve_app.engines.records import Recent, TransferRecords
 from serve_app.protocol import EngineRejected, EngineRequest, EngineStats, Role, TokenDelta, TokenLogprob
 from serve_app.sampling import decode_sampling
@@ -61,11 +62,11 @@ class _LoadTracker:
 
 
 class EngineRunner:
-    def __init__(self, name: str, role: Role, engine_kwargs: dict[str, Any], coalesce_s: float = 0.01) -> None:
+    def __init__(self, name: str, role: Role, engine_kwargs: dict[str, Any], pacer: StreamPacer | None = None) -> None:
         self.name = name
         self.role = role
         self.engine_kwargs = engine_kwargs
-        self.coalesce_s = coalesce_s
+        self.pacer = pacer or StreamPacer()
         self.llm: Any = None
         self.kv_capacity_tokens = 0
         self._load = _LoadTracker()
@@ -109,7 +110,7 @@ class EngineRunner:
         outputs = self.llm.generate(tokens_input(request.prompt_token_ids), params, request.request_id)
         try:
             # Closing the engine's stream (however this one ends) aborts the request in vLLM.
-            async with aclosing(outputs):
+            async with aclosing(outputs), _paced(self.pacer) as pace:
                 try:
                     out = await anext(outputs)
                 except CLIENT_ERRORS as exc:
@@ -128,11 +129,13 @@ class EngineRunner:
                     record["finish_reason"] = delta.finish_reason
                     record["stop_reason"] = delta.stop_reason
                     yield delta
+                    pace.sent()
                     if delta.finish_reason is not None:
                         return
-                    if self.coalesce_s > 0:
+                    wait = pace.wait_s()
+                    if wait > 0:
                         # AsyncLLM merges the steps that arrive meanwhile into the next output.
-                        await asyncio.sleep(self.coalesce_s)
+                        await asyncio.sleep(wait)
                     try:
                         delta = _to_delta(await anext(outputs), num_logprobs)
                     except StopAsyncIteration:
@@ -169,6 +172,12 @@ class EngineRunner:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+
+
+@asynccontextmanager
+async def _paced(pacer: StreamPacer) -> AsyncIterator[Any]:
+    with pacer.stream() as pace:
+        yield pace
 
 
 def engine_sampling_params(request: EngineRequest) -> Any:

@@ -17,18 +17,17 @@ cannot redirect a prefill engine's KV push elsewhere.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
-import socket
-from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+
+from serve_app.http_server import InReplicaServer, listening_socket
 
 logger = logging.getLogger("pd_serve.engine")
 
@@ -43,18 +42,10 @@ def with_relay(kv_transfer_params: dict[str, Any], callback_url: str) -> dict[st
     return {**kv_transfer_params, "metaserver": callback_url}
 
 
+@dataclass(frozen=True)
 class _Waiting:
-    def __init__(self, request_id: str, future: asyncio.Future[dict[str, Any]]) -> None:
-        self.request_id = request_id
-        self.future = future
-
-
-class _QuietServer(uvicorn.Server):
-    """uvicorn inside a Serve replica: the replica's process owns the signal handlers."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+    request_id: str
+    future: asyncio.Future[dict[str, Any]]
 
 
 class MetaserverRelay:
@@ -63,18 +54,12 @@ class MetaserverRelay:
         self.url = ""
         self._waiting: dict[str, _Waiting] = {}  # token -> the request it answers for
         self._tokens: dict[str, str] = {}  # request id -> token
-        self._server: _QuietServer | None = None
-        self._task: asyncio.Task | None = None
+        self._server: InReplicaServer | None = None
 
     async def start(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, 0))
-        sock.listen(128)
         app = Starlette(routes=[Route(PATH + "/{token}", self._receive, methods=["POST"])])
-        self._server = _QuietServer(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
-        self.url = f"http://{self.host}:{sock.getsockname()[1]}{PATH}"
+        self._server = InReplicaServer(app, listening_socket(self.host, 0, backlog=128))
+        self.url = f"http://{self.host}:{self._server.address[1]}{PATH}"
         logger.info("metaserver relay at %s", self.url)
 
     def expect(self, request_id: str) -> tuple[asyncio.Future[dict[str, Any]], str]:
@@ -116,10 +101,8 @@ class MetaserverRelay:
     def close(self) -> None:
         """Ask the server to exit (from sync code too, e.g. a replica's ``__del__``)."""
         if self._server is not None:
-            self._server.should_exit = True
+            self._server.close()
 
     async def stop(self) -> None:
-        self.close()
-        if self._task is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(self._task, 5)
+        if self._server is not None:
+            await self._server.stop()

@@ -26,9 +26,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
-
+from serve_app.engines.pacing import StreamPacer
 from serve_app.engines.records import Recent, TransferRecords
 from serve_app.protocol import RECOMPUTED, EngineRequest, EngineStats, KVEndpoint, Role, TokenDelta, TokenLogprob
 from serve_app.sampling import sampling_fields
@@ -40,10 +40,31 @@ FIRST_TOKEN_ID = 10
 
 
 def next_token(sequence: list[int]) -> int:
-    """The mock model: the next token depends only on the sequence so far."""
-    a = sequence[-1] if sequence else 1
-    b = sequence[-2] if len(sequence) > 1 else 7
-    return (a * 1103515245 + b * 12345 + len(sequence) * 2654435761) % MOCK_VOCAB + FIRST_TOKEN_ID
+    """The mock model: the next token depends only on the sequence so far (its last two tokens
+    and its length)."""
+    return _next(sequence[-1] if sequence else 1, sequence[-2] if len(sequence) > 1 else 7, len(sequence))
+
+
+def _next(last: int, before_last: int, length: int) -> int:
+    return (last * 1103515245 + before_last * 12345 + length * 2654435761) % MOCK_VOCAB + FIRST_TOKEN_ID
+
+
+async def _post_json(url: str, body: dict[str, Any]) -> None:
+    """A bare HTTP/1.1 POST (the metaserver callback): the mock should cost the host little, so
+    that what a benchmark on it measures is the router."""
+    parts = urlsplit(url)
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        head = (
+            f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+        )
+        writer.write(head.encode() + data)
+        await writer.drain()
+        await reader.read()  # the relay's answer; its status does not matter to the mock
+    finally:
+        writer.close()
 
 
 @dataclass(frozen=True)
@@ -82,8 +103,11 @@ class _Sequence:
 class MockEngine:
     """The engine-runner interface (``generate``, ``abort``, ``stats``, ...) of ``EngineRunner``."""
 
-    def __init__(self, name: str, role: Role, costs: MockCosts, endpoint: KVEndpoint | None, recompute: bool) -> None:
+    def __init__(
+        self, name: str, role: Role, costs: MockCosts, endpoint: KVEndpoint | None, recompute: bool, pacer: StreamPacer | None = None
+    ) -> None:
         self.name = name
+        self.pacer = pacer or StreamPacer()
         self.role = role
         self.costs = costs
         self.endpoint = endpoint
@@ -97,10 +121,9 @@ class MockEngine:
         self._compute = asyncio.Lock()  # one prompt computed at a time, as one engine would
         self._tasks: list[asyncio.Task] = []
         self._server: asyncio.AbstractServer | None = None
-        self._http: httpx.AsyncClient | None = None
+        self.post_callback = _post_json  # the metaserver POST (tests replace it to lose callbacks)
 
     async def start(self) -> None:
-        self._http = httpx.AsyncClient(timeout=10.0)
         if self.role == "decode":
             self._tasks.append(asyncio.get_running_loop().create_task(self._step_loop()))
             if self.endpoint is not None:
@@ -132,22 +155,27 @@ class MockEngine:
                 await self._await_kv(seq, params)
             self._waiting.append(seq)
             first = True
-            while True:
-                await seq.wake.wait()
-                seq.wake.clear()
-                tokens, seq.pending = seq.pending, []
-                delta = TokenDelta(token_ids=tokens, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-                if seq.logprobs is not None:
-                    delta.logprobs = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in tokens]
-                if first:
-                    delta.num_cached_tokens = seq.cached_tokens
-                    record["num_cached_tokens"] = seq.cached_tokens
-                    first = False
-                record["output_tokens"] += len(tokens)
-                record["finish_reason"], record["stop_reason"] = seq.finish_reason, seq.stop_reason
-                yield delta
-                if seq.finish_reason is not None:
-                    return
+            with self.pacer.stream() as pace:
+                while True:
+                    await seq.wake.wait()
+                    wait = pace.wait_s()
+                    if wait > 0:
+                        await asyncio.sleep(wait)  # the steps meanwhile join the next delta
+                    seq.wake.clear()
+                    tokens, seq.pending = seq.pending, []
+                    delta = TokenDelta(token_ids=tokens, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                    if seq.logprobs is not None:
+                        delta.logprobs = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in tokens]
+                    if first:
+                        delta.num_cached_tokens = seq.cached_tokens
+                        record["num_cached_tokens"] = seq.cached_tokens
+                        first = False
+                    record["output_tokens"] += len(tokens)
+                    record["finish_reason"], record["stop_reason"] = seq.finish_reason, seq.stop_reason
+                    yield delta
+                    pace.sent()
+                    if seq.finish_reason is not None:
+                        return
         finally:
             self._drop(seq)
 
@@ -189,7 +217,7 @@ class MockEngine:
     # ------------------------------------------------------------------ decode
     async def _await_kv(self, seq: _Sequence, params: dict[str, Any]) -> None:
         """Allocate the prompt's KV, post the KV parameters, wait for prefill's push."""
-        assert self.endpoint is not None and self._http is not None
+        assert self.endpoint is not None
         transfer_id, secret = str(params.get("request_id") or seq.request_id), secrets.token_urlsafe(16)
         seq.kv_ready, seq.transfer = False, (transfer_id, secret)
         seq.deadline = time.monotonic() + self.costs.recv_timeout_s
@@ -209,8 +237,8 @@ class MockEngine:
         }
         url = params.get("metaserver")
         if url:
-            with contextlib.suppress(httpx.HTTPError):
-                await self._http.post(str(url), json=body)
+            with contextlib.suppress(OSError, ValueError):
+                await self.post_callback(str(url), body)
         while not seq.kv_ready and seq.finish_reason is None:
             remaining = seq.deadline - time.monotonic()
             if remaining <= 0:
@@ -282,7 +310,8 @@ class MockEngine:
                 victim.cached_tokens = 0
                 self._waiting.insert(0, victim)
         for seq in list(self._running):
-            token = next_token(seq.prompt + seq.output)
+            tail = seq.output if len(seq.output) >= 2 else seq.prompt[-2:] + seq.output
+            token = _next(tail[-1], tail[-2] if len(tail) > 1 else 7, seq.tokens)
             seq.output.append(token)
             seq.pending.append(token)
             if len(seq.output) >= seq.min_tokens and token in seq.stop_token_ids:

@@ -9,7 +9,8 @@ from typing import Any
 
 from serve_app.engines.backends import BACKENDS, EngineSpec
 from serve_app.engines.kv_endpoint import settle_kv_endpoint
-from serve_app.logs import quiet_cancelled_requests, to_serve_logs
+from serve_app.engines.pacing import StreamPacer
+from serve_app.logs import quiet_cancelled_requests, serve_log_file_kept, to_serve_logs
 from serve_app.metrics import engine_metrics
 from serve_app.protocol import EngineStats, KVEndpoint
 
@@ -20,15 +21,16 @@ GAUGE_INTERVAL_S = 1.0
 
 def make_runner(spec: EngineSpec, engine_kwargs: dict[str, Any], endpoint: KVEndpoint | None) -> Any:
     """The engine behind a replica: vLLM's AsyncLLM, or the mock engine (``backend: mock``)."""
+    pacer = StreamPacer(spec.stream_items_per_s)
     if spec.backend == "mock":
         from serve_app.engines.mock import MockCosts, MockEngine
 
         mock = engine_kwargs["mock"]
         costs = MockCosts(**mock["costs"], recv_timeout_s=float(mock.get("recv_timeout_s", 60.0)))
-        return MockEngine(spec.name, spec.role, costs, endpoint, recompute=bool(mock.get("recompute", True)))
+        return MockEngine(spec.name, spec.role, costs, endpoint, recompute=bool(mock.get("recompute", True)), pacer=pacer)
     from serve_app.engines.engine import EngineRunner
 
-    return EngineRunner(spec.name, spec.role, engine_kwargs)
+    return EngineRunner(spec.name, spec.role, engine_kwargs, pacer)
 
 
 class EngineServer:
@@ -43,7 +45,8 @@ class EngineServer:
         engine_kwargs, self.kv_endpoint = settle_kv_endpoint(spec.engine_kwargs, listens=listens, fallback=backend.kv_port_fallback)
         self.runner = make_runner(spec, engine_kwargs, self.kv_endpoint)
         # AsyncLLM binds its sockets to this event loop, so it is built here, not in a thread.
-        await self.runner.start()
+        with serve_log_file_kept():
+            await self.runner.start()
         self._tags = {"role": spec.role, "engine": spec.name}
         self._metrics = engine_metrics()
         self._gauge_task = asyncio.get_running_loop().create_task(self._report_gauges())

@@ -151,7 +151,7 @@ class AttemptExecutor:
         request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, encoded, kv_params)
         reserved = len(plan.prompt_token_ids) + plan.max_tokens
         with self.pool.lease(decode.name, reserved):
-            stream = self.pool.handles[decode.name].options(stream=True).generate.remote(request)
+            stream = self.pool.stream_handles[decode.name].generate.remote(request)
             attempt = AttemptRun(self, plan, decode.name, stream, request_deadline)
             try:
                 async for event in attempt.events():

@@ -21,6 +21,7 @@ from serve_app.config import load_config
 from serve_app.engines.backends import engine_specs
 from serve_app.logs import quiet_cancelled_requests, to_serve_logs
 from serve_app.metrics import router_metrics
+from serve_app.router.direct_http import serve_openai
 from serve_app.router.errors import error_body
 from serve_app.router.service import RouterService
 
@@ -35,6 +36,16 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:
         return f"router-{int(time.time())}"
+
+
+def engine_handle(handle: Any, transport: str) -> Any:
+    """The router's handle to an engine. With ``grpc`` (Ray Serve's transport for its
+    throughput-optimized mode) calls and streamed items go straight to the replica's gRPC server
+    instead of through Ray's object store: about a millisecond less per call and much less CPU per
+    streamed item on both ends. Our messages are plain dataclasses: pickle, not cloudpickle."""
+    if transport == "grpc":
+        return handle.options(_by_reference=False, request_serialization="pickle", response_serialization="pickle")
+    return handle
 
 
 async def deployment_status() -> dict[str, str]:
@@ -60,7 +71,7 @@ def build_service(config: dict[str, Any], engines: dict[str, Any]) -> RouterServ
     roles = {spec.name: spec.role for spec in engine_specs(app_config)}
     service = RouterService(
         app_config,
-        {name: (roles[name], handle) for name, handle in engines.items()},
+        {name: (roles[name], engine_handle(handle, app_config.router.engine_transport)) for name, handle in engines.items()},
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         metrics=router_metrics(),
@@ -89,6 +100,8 @@ class Router:
         self.service = build_service(config, engines)
         self.service.warm_up()
         self.service.start()
+        http = self.service.config.router.http
+        self.http = serve_openai(self.service, http.host, http.port) if http.port else None
 
     # ------------------------------------------------------------------ HTTP routes
     @http_app.post("/v1/completions")
@@ -128,3 +141,6 @@ class Router:
         service = getattr(self, "service", None)
         if service is not None:
             service.stop()
+        http = getattr(self, "http", None)
+        if http is not None:
+            http.close()

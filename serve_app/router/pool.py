@@ -25,6 +25,8 @@ SCORES: dict[Role, ScoreFn] = {"decode": decode_score, "prefill": prefill_score}
 class EnginePool:
     def __init__(self, engines: dict[str, tuple[Role, Any]], stats_timeout_s: float = 2.0) -> None:
         self.handles: dict[str, Any] = {name: handle for name, (_, handle) in engines.items()}
+        # Streaming variants, made once: every attempt opens a stream on one of them.
+        self.stream_handles: dict[str, Any] = {name: handle.options(stream=True) for name, handle in self.handles.items()}
         self.loads: dict[str, EngineLoad] = {name: EngineLoad(name=name, role=role) for name, (role, _) in engines.items()}
         self.stats_timeout_s = stats_timeout_s
         self.reported: dict[str, EngineStats] = {}

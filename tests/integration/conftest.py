@@ -1,8 +1,9 @@
 """Real Ray Serve with real vLLM CPU engines: one Ray cluster and Serve instance per session,
-apps deployed per module (``deploy_app``) and deleted when the module ends.
+apps deployed per module (``deploy``) and deleted when the module ends.
 
-Everything listens on loopback; the HTTP port is a free one rather than configs/serve.yaml's
-8000, so the tests do not collide with a `make run` on the same machine.
+Everything listens on loopback. Each app's router serves HTTP itself (``router.http``, as
+configs/serve.yaml does) on a free port rather than 8000, so the tests do not collide with a
+`make run` on the same machine.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Cluster:
 class DeployedApp:
     name: str
     route_prefix: str
-    base_url: str  # http://host:port/<prefix> without a trailing slash
+    base_url: str  # http://host:port of the app's router, without a trailing slash
     args: dict[str, Any]
 
     @property
@@ -84,8 +85,11 @@ def deploy(
 
     from serve_app.app import Plugins, build_app_with
 
+    port = free_port()
+    router = args.get("router", {})
+    args = {**args, "router": {**router, "http": {**router.get("http", {}), "host": "127.0.0.1", "port": port}}}
     serve.run(build_app_with(args, plugins or Plugins()), name=name, route_prefix=route_prefix, blocking=False)
-    app = DeployedApp(name=name, route_prefix=route_prefix, base_url=cluster.base_url + route_prefix.rstrip("/"), args=args)
+    app = DeployedApp(name=name, route_prefix=route_prefix, base_url=f"http://127.0.0.1:{port}", args=args)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -158,7 +158,7 @@ def test_stop_ends_the_server():
         status, _ = await asyncio.to_thread(post_json, relay.url + "/t", KV_PARAMS)
         assert status == 404  # it serves
         await relay.stop()
-        assert relay._task is not None and relay._task.done()
+        assert relay._server is not None and relay._server._task.done()
         with pytest.raises(urllib.error.URLError):
             await asyncio.to_thread(post_json, relay.url + "/t", KV_PARAMS)
 

@@ -132,7 +132,7 @@ def no_callbacks(app: App) -> None:
             async def lost(*_: Any, **__: Any) -> None:
                 return None
 
-            engine.runner._http.post = lost
+            engine.runner.post_callback = lost
 
 
 def fail_status(data: Any) -> int:
@@ -533,3 +533,57 @@ def test_models_health_snapshot_and_warm_up(engines_without_ray, tiny_tokenizer)
 
 async def _never() -> None:
     return None
+
+
+def test_the_router_serves_the_openai_api_itself(engines_without_ray, tiny_tokenizer):
+    """router.http: the same routes as the Serve ingress, straight from the router replica."""
+    import httpx
+
+    from serve_app.router.direct_http import openai_app
+
+    async def body(app: App) -> None:
+        transport = httpx.ASGITransport(app=openai_app(app.service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            assert (await client.get("/health")).json() == {"status": "ok"}
+            assert (await client.get("/v1/models")).json()["data"][0]["id"] == "tiny-llama"
+            assert "decode-0" in (await client.get("/pd/engines")).json()["engines"]
+            done = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "return_token_ids": True})
+            assert done.status_code == 200 and done.json()["choices"][0]["token_ids"] == expected(PROMPT, 5)
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+            async with client.stream("POST", "/v1/chat/completions", json=chat) as response:
+                lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+            assert response.status_code == 200 and lines[-1] == "data: [DONE]"
+            missing = await client.get("/v1/nothing")
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+            wrong = await client.get("/v1/completions")
+            assert wrong.status_code == 405 and wrong.json()["error"]["type"]
+
+    run(body, args(), tiny_tokenizer)
+
+
+def test_an_in_replica_server_listens_and_stops():
+    """The socket helper shares a port between replicas (SO_REUSEPORT) and the server stops."""
+    import socket as socket_module
+
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from serve_app.http_server import InReplicaServer, listening_socket
+
+    async def main() -> None:
+        app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))])
+        first = listening_socket("127.0.0.1", 0, reuse_port=True)
+        port = first.getsockname()[1]
+        second = listening_socket("127.0.0.1", port, reuse_port=True)  # a second replica, same port
+        servers = [InReplicaServer(app, first), InReplicaServer(app, second)]
+        await asyncio.sleep(0.2)
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(f"http://127.0.0.1:{port}/")).text == "ok"
+        for server in servers:
+            await server.stop()
+        with pytest.raises(OSError), socket_module.create_connection(("127.0.0.1", port), timeout=1):
+            pass
+
+    asyncio.run(main())

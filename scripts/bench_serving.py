@@ -1,0 +1,422 @@
+"""pd-serve against vLLM's own OpenAI server, in one run, with vLLM's own benchmark client.
+
+Usage: ``.venv/bin/python scripts/bench_serving.py [--targets vllm,colocated,disaggregated,mock]
+[--quick] [--out bench.json]`` (after ``make run`` or ``make test`` set up the venv and the tiny
+model; stop ``make run`` first: every target here is started and stopped by this script, one at
+a time, on free ports).
+
+Targets, each started as a user would start it:
+
+* ``vllm``: ``python -m vllm.entrypoints.openai.api_server`` with the engine arguments (and CPU
+  thread binding) pd-serve gives its decode engine, one engine;
+* ``colocated``: ``serve run`` of configs/serve.yaml with no prefill engine, router.mode colocated;
+* ``disaggregated``: ``serve run`` of configs/serve.yaml as it is (one prefill, one decode);
+* ``mock``: configs/serve.yaml on the mock engine (``backend: mock``): the router alone.
+
+Each is driven by ``vllm.benchmarks.serve`` (random dataset, ``--ignore-eos``, temperature 0) at
+concurrency 1, 8 and 32. The script prints one table with ratios to vLLM's server, the CPU
+seconds of each kind of process during each run (router, HTTP proxy, engine replica or API
+server, engine core, worker, Ray's own), the router's CPU microseconds per output token, and for
+the mock: the TTFT the router adds over calling the same mock engine's handle directly.
+Timings compare targets within one run on one machine; they are not claims about other hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import requests
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+VENV_BIN = Path(sys.executable).parent
+SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
+OVERRIDES: dict[str, Any] = {}  # --set KEY=JSON: app args for every pd-serve target
+MOCK_DECODE_STEP_S = 0.001
+MOCK_PREFILL_S_PER_TOKEN = 0.00001
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    concurrency: int
+    input_len: int
+    output_len: int
+    prompts: int
+
+
+WORKLOADS = [
+    Workload("c=1", 1, 32, 16, 40),
+    Workload("c=8", 8, 256, 64, 96),
+    Workload("c=32", 32, 256, 64, 192),
+]
+QUICK = [Workload("c=1", 1, 32, 16, 12), Workload("c=8", 8, 256, 64, 32), Workload("c=32", 32, 256, 64, 64)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def base_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+# ---------------------------------------------------------------------------- processes
+def kind_of(proc: psutil.Process) -> str | None:
+    """Which part of the system a process is, from its title or command line."""
+    try:
+        cmd = " ".join(proc.cmdline())
+        name = proc.name()
+    except psutil.Error:
+        return None
+    if cmd.startswith("VLLM::EngineCore") or name.startswith("VLLM::EngineCor"):
+        return "engine core"
+    if cmd.startswith("VLLM::Worker") or name.startswith("VLLM::Worker"):
+        return "worker"
+    if ":router" in cmd and "ServeReplica" in cmd:
+        return "router"
+    if "ProxyActor" in cmd:
+        return "http proxy"
+    if "ServeReplica" in cmd and ("decode-" in cmd or "prefill-" in cmd):
+        return "engine replica"
+    if "vllm.entrypoints.openai.api_server" in cmd:
+        return "api server"
+    if any(k in cmd for k in ("raylet", "gcs_server", "ray::", "ray/dashboard", "log_monitor", "serve run", "ray/_private")):
+        return "ray"
+    return None
+
+
+def cpu_snapshot() -> dict[int, tuple[str, float]]:
+    out = {}
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        kind = kind_of(proc)
+        if kind is None:
+            continue
+        try:
+            t = proc.cpu_times()
+            out[proc.pid] = (kind, t.user + t.system)
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_by_kind(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for pid, (kind, seconds) in after.items():
+        spent = seconds - before.get(pid, (kind, 0.0))[1]
+        totals[kind] = totals.get(kind, 0.0) + max(0.0, spent)
+    return totals
+
+
+@contextlib.contextmanager
+def started(cmd: list[str], env: dict[str, str], log: Path, health_url: str, repo: Path, timeout_s: float = 300) -> Iterator[None]:
+    """A server process started in its own session from ``repo``, healthy before the body runs,
+    stopped by SIGTERM (and SIGKILL of its group if it lingers) after."""
+    env = {**env, "PYTHONPATH": str(repo)} if repo != REPO_ROOT else env
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=repo, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(health_url, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{' '.join(cmd)} not healthy within {timeout_s}s; see {log}")
+            time.sleep(1)
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        wait_for_no_engines()
+
+
+def wait_for_no_engines(timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(kind_of(p) in ("engine core", "worker", "router", "engine replica", "api server") for p in psutil.process_iter()):
+            return
+        time.sleep(1)
+
+
+# ---------------------------------------------------------------------------- targets
+def serve_yaml() -> dict[str, Any]:
+    return yaml.safe_load(SERVE_YAML.read_text())
+
+
+def app_args(target: str) -> dict[str, Any]:
+    (app,) = serve_yaml()["applications"]
+    args = dict(app["args"])
+    if target == "colocated":
+        args["prefill"] = {**args["prefill"], "replicas": 0}
+        args["router"] = {**args["router"], "mode": "colocated"}
+    args.update(OVERRIDES)
+    if target == "mock":
+        # Fast enough that the router, not the engine, is what is measured.
+        args["backend"] = "mock"
+        args["mock"] = {"decode_step_s": MOCK_DECODE_STEP_S, "prefill_s_per_token": MOCK_PREFILL_S_PER_TOKEN}
+    return args
+
+
+def vllm_server_command(port: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's OpenAI server with the engine arguments and thread binding of pd-serve's colocated
+    decode engine (minus pd-serve's own connector and scheduler)."""
+    from serve_app.config import load_config
+    from serve_app.engines.backends import engine_specs
+    from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
+
+    (spec,) = [s for s in engine_specs(load_config(app_args("colocated"))) if s.role == "decode"]
+    kwargs = {k: v for k, v in spec.engine_kwargs.items() if k not in ("kv_transfer_config", "scheduler_cls")}
+    # The engine's own environment (thread binding, offline hub, and the idle-spin bound, which
+    # vLLM's server on a small shared host needs as much as pd-serve's engines do), not the
+    # parent watchdog.
+    env = {k: v for k, v in spec.env.items() if k != WATCHDOG_ENV}
+    cmd = [str(VENV_BIN / "python"), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is not False and value is not None:
+            cmd += [flag, str(value)]
+    return cmd, {**base_env(), **env}
+
+
+def serve_command(target: str, port: int, workdir: Path) -> list[str]:
+    config = serve_yaml()
+    config["http_options"] = {**config.get("http_options", {}), "port": port}
+    (app,) = config["applications"]
+    app["args"] = app_args(target)
+    if app["args"].get("router", {}).get("http"):  # the router serves HTTP itself (configs/serve.yaml)
+        app["args"]["router"] = {**app["args"]["router"], "http": {**app["args"]["router"]["http"], "port": port}}
+    path = workdir / f"{target}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return [str(VENV_BIN / "serve"), "run", str(path)]
+
+
+# ---------------------------------------------------------------------------- the client
+def bench(port: int, workload: Workload, tokenizer: str, served_name: str) -> dict[str, Any]:
+    from vllm.benchmarks.serve import add_cli_args, main_async
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(
+        [
+            "--backend", "openai",
+            "--base-url", f"http://127.0.0.1:{port}",
+            "--endpoint", "/v1/completions",
+            "--model", served_name,
+            "--tokenizer", tokenizer,
+            "--dataset-name", "random",
+            "--random-input-len", str(workload.input_len),
+            "--random-output-len", str(workload.output_len),
+            "--num-prompts", str(workload.prompts),
+            "--max-concurrency", str(workload.concurrency),
+            "--ignore-eos",
+            "--temperature", "0",
+            "--num-warmups", "2",
+            "--seed", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el",
+        ]
+    )  # fmt: skip
+    with contextlib.redirect_stdout(sys.stderr):
+        return asyncio.run(main_async(args))
+
+
+def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path) -> dict[str, Any]:
+    from serve_app.config import load_config
+
+    port = free_port()
+    config = load_config(app_args("colocated"))
+    tokenizer, served = config.model, config.model_name
+    if target == "vllm":
+        cmd, env = vllm_server_command(port)
+        health = f"http://127.0.0.1:{port}/health"
+    else:
+        cmd, env = serve_command(target, port, workdir), base_env()
+        health = f"http://127.0.0.1:{port}/health"
+    results: dict[str, Any] = {}
+    print(f"== {target}: starting", file=sys.stderr)
+    with started(cmd, env, workdir / f"{target}.log", health, repo):
+        for workload in workloads:
+            before = cpu_snapshot()
+            started_at = time.monotonic()
+            result = bench(port, workload, tokenizer, served)
+            wall = time.monotonic() - started_at
+            cpu = cpu_by_kind(before, cpu_snapshot())
+            results[workload.name] = {"result": result, "cpu": cpu, "wall_s": wall}
+            print(
+                f"== {target} {workload.name}: {result.get('output_throughput', 0):.0f} tok/s, failed {result.get('failed')}",
+                file=sys.stderr,
+            )
+        if target == "mock":
+            results["router_added_ttft"] = router_added_ttft(port)
+    return results
+
+
+def router_added_ttft(port: int, samples: int = 40) -> dict[str, float]:
+    """TTFT through the router's handle API minus TTFT of a direct streaming call to the same
+    mock decode engine, colocated-style (no prefill), for the same prompt: the router's own share."""
+    import ray
+    from ray import serve
+
+    from serve_app.protocol import EngineRequest, TokenDelta
+    from serve_app.sampling import encode_sampling
+
+    ray.init(address="auto", log_to_driver=False, namespace="serve")
+    try:
+        router = serve.get_app_handle("pd")
+        decode = serve.get_deployment_handle("decode-0", "pd")
+        prompt = list(range(20, 52))
+        via_router, direct = [], []
+        from vllm import SamplingParams
+
+        params = encode_sampling(SamplingParams(max_tokens=4, temperature=0.0))
+        for i in range(samples):
+            t = time.perf_counter()
+            stream = router.options(stream=True).generate.remote({"prompt": prompt, "max_tokens": 4, "temperature": 0})
+            for event in stream:
+                if event.get("choices"):
+                    via_router.append(time.perf_counter() - t)
+                    break
+            stream.cancel()
+            t = time.perf_counter()
+            stream = decode.options(stream=True).generate.remote(EngineRequest(f"bench-direct-{i}", prompt, params, None))
+            for item in stream:
+                if isinstance(item, TokenDelta) and item.token_ids:
+                    direct.append(time.perf_counter() - t)
+                    break
+            stream.cancel()
+        via, dr = statistics.median(via_router[5:]), statistics.median(direct[5:])
+        return {"router_ttft_p50_ms": via * 1000, "direct_ttft_p50_ms": dr * 1000, "router_added_ttft_p50_ms": (via - dr) * 1000}
+    finally:
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------------------- the report
+ROWS = [
+    ("output tok/s", "output_throughput", 1.0),
+    ("TTFT p50 (ms)", "median_ttft_ms", 1.0),
+    ("TPOT p50 (ms)", "median_tpot_ms", 1.0),
+    ("ITL p50 (ms)", "median_itl_ms", 1.0),
+    ("failed", "failed", 1.0),
+]
+CPU_KINDS = ["router", "http proxy", "engine replica", "api server", "engine core", "worker", "ray"]
+
+
+def report(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> str:
+    lines = []
+    targets = [t for t in ("vllm", "colocated", "disaggregated", "mock") if t in results]
+    head = f"{'workload':<7}{'metric':<15}" + "".join(f"{t:>22}" for t in targets)
+    lines += [head, "-" * len(head)]
+    for w in workloads:
+        for label, key, _ in ROWS:
+            cells = []
+            base = results.get("vllm", {}).get(w.name, {}).get("result", {}).get(key)
+            for t in targets:
+                value = results[t].get(w.name, {}).get("result", {}).get(key)
+                if value is None:
+                    cells.append(f"{'-':>22}")
+                elif t != "vllm" and base and key != "failed":
+                    cells.append(f"{value:>13.1f} ({value / base:4.2f}x)")
+                else:
+                    cells.append(f"{value:>22.1f}")
+            lines.append(f"{w.name:<7}{label:<15}" + "".join(cells))
+        lines.append("")
+    lines.append("CPU seconds per process kind during each run (router µs per output token in the last column)")
+    head = f"{'target':<15}{'workload':<8}" + "".join(f"{k:>15}" for k in CPU_KINDS) + f"{'router µs/tok':>15}"
+    lines += [head, "-" * len(head)]
+    for t in targets:
+        for w in workloads:
+            run = results[t].get(w.name)
+            if not run:
+                continue
+            cpu = run["cpu"]
+            tokens = run["result"].get("total_output_tokens") or 0
+            per_token = cpu.get("router", 0.0) / tokens * 1e6 if tokens and "router" in cpu else float("nan")
+            lines.append(f"{t:<15}{w.name:<8}" + "".join(f"{cpu.get(k, 0.0):>15.2f}" for k in CPU_KINDS) + f"{per_token:>15.0f}")
+    mock = results.get("mock", {}).get("router_added_ttft")
+    if mock:
+        lines.append("")
+        lines.append(
+            f"mock engine: TTFT via the router's handle {mock['router_ttft_p50_ms']:.2f} ms, direct to the engine "
+            f"{mock['direct_ttft_p50_ms']:.2f} ms: the router adds {mock['router_added_ttft_p50_ms']:.2f} ms (p50)"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="vllm,colocated,disaggregated,mock")
+    parser.add_argument("--quick", action="store_true", help="fewer prompts per workload (a smoke run)")
+    parser.add_argument("--out", type=Path, help="write every number as JSON here too")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override an app arg for pd-serve targets (e.g. stream_items_per_s=200)",
+    )
+    parser.add_argument(
+        "--repo",
+        type=Path,
+        default=REPO_ROOT,
+        help="the pd-serve checkout whose app is served (default: this one; e.g. a worktree of an older commit)",
+    )
+    args = parser.parse_args(argv)
+    workloads = QUICK if args.quick else WORKLOADS
+    for item in args.set:
+        key, _, value = item.partition("=")
+        OVERRIDES[key] = json.loads(value)
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pdbench-") as tmp:
+        workdir = Path(tmp)
+        for target in args.targets.split(","):
+            results[target] = run_target(target, workloads, workdir, args.repo.resolve())
+        table = report(results, workloads)
+    print(table)
+    if args.out:
+        args.out.write_text(json.dumps({"results": results, "table": table}, indent=2, default=str))
+    failed = sum(
+        int(run["result"].get("failed") or 0) for r in results.values() for k, run in r.items() if isinstance(run, dict) and "result" in run
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,56 @@
+"""A uvicorn server inside a Serve replica, on the replica's own event loop.
+
+Used by the decode replicas' metaserver relay and by the router replicas when they serve the
+OpenAI API themselves (``router.http``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn inside a Serve replica: the replica's process owns the signal handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def listening_socket(host: str, port: int, reuse_port: bool = False, backlog: int = 1024) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        # Several router replicas on one host share the port; the kernel spreads connections.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    return sock
+
+
+class InReplicaServer:
+    """Serves ``app`` on ``sock`` from the running event loop until ``stop``."""
+
+    def __init__(self, app: Any, sock: socket.socket) -> None:
+        self.sock = sock
+        self.address = sock.getsockname()
+        # log_config=None: uvicorn would otherwise run logging.config.dictConfig, which closes every
+        # handler in the process, Serve's log-file handler of this replica included.
+        config = uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off", access_log=False)
+        self._server = _QuietServer(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+
+    def close(self) -> None:
+        """Ask the server to exit (from sync code too, e.g. a replica's ``__del__``)."""
+        self._server.should_exit = True
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        self.close()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(self._task, timeout_s)
