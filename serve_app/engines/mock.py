@@ -174,7 +174,9 @@ class MockEngine:
                     record["finish_reason"], record["stop_reason"] = seq.finish_reason, seq.stop_reason
                     yield delta
                     pace.sent()
-                    if seq.finish_reason is not None:
+                    # The delta sent, not the sequence now: it may have finished while this
+                    # generator waited at the yield, and that ending is the next delta's to tell.
+                    if delta.finish_reason is not None:
                         return
         finally:
             self._drop(seq)
