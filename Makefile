@@ -9,6 +9,11 @@ INSTALLED := $(VENV)/.installed
 MODEL_DIR := .cache/tiny-llama
 MODEL := $(MODEL_DIR)/config.json
 CONFIG ?= configs/serve.yaml
+# vLLM 0.23's and vllm-ascend 0.23.0.post1's published archives, read (never installed) by the
+# Ascend checks in tests/unit/; fetched once, sha256-checked.
+REFERENCE := .cache/reference/.fetched
+# vLLM 0.23's Python package over the venv (PYTHONPATH), for tests/unit/test_on_vllm_023.py.
+VLLM023 := .cache/vllm-0.23/.built
 
 # Engines and Ray stay on loopback and offline; no usage stats leave the machine.
 export HF_HUB_OFFLINE := 1
@@ -30,14 +35,23 @@ $(INSTALLED): pyproject.toml
 $(MODEL): scripts/make_tiny_model.py scripts/tiny_corpus.txt | $(INSTALLED)
 	$(PY) scripts/make_tiny_model.py $(MODEL_DIR)
 
+$(REFERENCE): scripts/fetch_reference.py | $(INSTALLED)
+	$(PY) scripts/fetch_reference.py
+	touch $@
+
+$(VLLM023): scripts/make_vllm023_overlay.py $(REFERENCE)
+	$(PY) scripts/make_vllm023_overlay.py
+	touch $@
+
 run: setup
 	$(VENV)/bin/serve run $(CONFIG)
 
-test: setup lint
+test: setup lint $(REFERENCE) $(VLLM023)
 	$(VENV)/bin/pytest
 
-# The fast tests alone (no Ray, no vLLM engine): under a minute, with the router's coverage.
-test-fast: setup lint
+# The fast tests alone (no Ray cluster, no vLLM engine; the router's again on vLLM 0.23): about a
+# minute and a half, with the router's coverage.
+test-fast: setup lint $(REFERENCE) $(VLLM023)
 	$(VENV)/bin/pytest -m "not engine" --cov=serve_app/router --cov-report=term --cov-fail-under=90
 
 lint: setup

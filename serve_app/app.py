@@ -68,7 +68,11 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
             graceful_shutdown_timeout_s=5,
             # The router polls stats twice a second; access logs would be mostly that.
             logging_config={"enable_access_log": False},
-            ray_actor_options={"num_cpus": spec.num_cpus, "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **spec.env}}},
+            ray_actor_options={
+                "num_cpus": spec.num_cpus,
+                "resources": spec.resources,
+                "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **spec.env}},
+            },
         ).bind(spec)
     router = config.router
     return Router.options(

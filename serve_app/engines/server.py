@@ -42,7 +42,9 @@ class EngineServer:
         self.spec = spec
         backend = BACKENDS[spec.backend]
         listens = spec.role == "decode" or backend.prefill_listens
-        engine_kwargs, self.kv_endpoint = settle_kv_endpoint(spec.engine_kwargs, listens=listens, fallback=backend.kv_port_fallback)
+        engine_kwargs, self.kv_endpoint = settle_kv_endpoint(
+            spec.engine_kwargs, listens=listens, fallback=backend.kv_port_fallback, pass_host=backend.connector_reads_kv_host
+        )
         self.runner = make_runner(spec, engine_kwargs, self.kv_endpoint)
         # AsyncLLM binds its sockets to this event loop, so it is built here, not in a thread.
         with serve_log_file_kept():

@@ -169,7 +169,10 @@ def _validate(route: Route, body: dict[str, Any]) -> Any:
     except ValidationError as exc:  # (a subclass of ValueError: caught first)
         errors = exc.errors()
         first = errors[0] if errors else {}
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        # A model validator's error has no field location; vLLM's own validation error names
+        # the parameter (on vLLM 0.23 it is a ValueError, so pydantic wraps it and keeps it here).
+        cause = (first.get("ctx") or {}).get("error")
+        param = ".".join(str(p) for p in first.get("loc", ())) or getattr(cause, "parameter", None)
         message = "; ".join(_describe(err) for err in errors[:5]) or str(exc)
         raise bad_request(message, param=param) from None
     except _client_errors() as exc:

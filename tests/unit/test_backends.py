@@ -1,5 +1,6 @@
-"""The engine arguments each backend produces. The Ascend ones cannot run here (no NPU), so
-these checks against vllm-ascend's documented settings are what stands for them."""
+"""The engine arguments and replica settings each backend produces. The Ascend ones cannot run
+here (no NPU): these checks, and tests/unit/test_ascend_reference.py's against vllm-ascend's own
+source, are what stands for them."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_ascend_prefill_is_a_mooncake_layerwise_producer():
 def test_ascend_decode_is_a_consumer_with_the_recompute_scheduler():
     kwargs = specs_by_name(ASCEND)["decode-0"].engine_kwargs
     assert kwargs["kv_transfer_config"]["kv_role"] == "kv_consumer"
-    assert kwargs["additional_config"] == {"scheduler_config": {"recompute_scheduler_enable": True}}
+    assert kwargs["additional_config"] == {"recompute_scheduler_enable": True}
     assert "scheduler_cls" not in kwargs  # vllm-ascend swaps its own scheduler in
 
 
@@ -55,7 +56,51 @@ def test_every_engine_gets_its_own_kv_port_block():
 def test_ascend_leaves_cpu_settings_out():
     for spec in specs_by_name(ASCEND).values():
         assert "VLLM_CPU_OMP_THREADS_BIND" not in spec.env
-        assert "kv_cache_memory_bytes" not in spec.engine_kwargs
+        assert "VLLM_HOST_IP" not in spec.env  # Mooncake and HCCL must see the node's own address
+        assert not any(k.startswith("PD_SERVE_ENGINE_SPIN") for k in spec.env)
+        assert "kv_cache_memory_bytes" not in spec.engine_kwargs and "enforce_eager" not in spec.engine_kwargs
+        assert "kv_host" not in spec.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+
+
+def test_ascend_replicas_ask_ray_for_one_npu_per_tensor_parallel_rank():
+    specs = specs_by_name(ASCEND)
+    assert specs["prefill-0"].resources == {"NPU": 4.0} and specs["prefill-1"].resources == {"NPU": 4.0}
+    assert specs["decode-0"].resources == {"NPU": 2.0}
+    # CPU and mock engines ask for CPUs only.
+    assert all(not s.resources for s in specs_by_name({"prefill": {"replicas": 1}}).values())
+
+
+def test_ascend_engines_carry_vllm_ascends_environment_and_the_groups_own():
+    args = {**ASCEND, "decode": {**ASCEND["decode"], "env": {"HCCL_BUFFSIZE": "600", "OMP_NUM_THREADS": "4"}}}
+    specs = specs_by_name(args)
+    for spec in specs.values():
+        assert spec.env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+        assert spec.env["TASK_QUEUE_ENABLE"] == "1" and spec.env["OMP_PROC_BIND"] == "false"
+        assert spec.env[WATCHDOG_ENV] == "1"
+    assert specs["decode-0"].env["HCCL_BUFFSIZE"] == "600" and specs["decode-0"].env["OMP_NUM_THREADS"] == "4"
+    assert "HCCL_BUFFSIZE" not in specs["prefill-0"].env and specs["prefill-0"].env["OMP_NUM_THREADS"] == "10"
+
+
+def test_a_groups_resources_replace_the_default_for_placement():
+    args = {**ASCEND, "prefill": {**ASCEND["prefill"], "resources": {"NPU": 4, "pd_prefill": 0.01}}}
+    specs = specs_by_name(args)
+    assert specs["prefill-0"].resources == {"NPU": 4.0, "pd_prefill": 0.01}
+    assert specs["decode-0"].resources == {"NPU": 2.0}
+
+
+def test_the_shipped_ascend_config_loads_and_builds_engines():
+    import yaml
+
+    from serve_app.config import REPO_ROOT
+
+    doc = yaml.safe_load((REPO_ROOT / "configs" / "serve-ascend.yaml").read_text())
+    (app,) = doc["applications"]
+    assert app["import_path"] == "serve_app.app:build_app"
+    specs = specs_by_name(app["args"])
+    assert [s.name for s in specs.values()] == ["prefill-0", "decode-0", "decode-1"]
+    assert specs["prefill-0"].resources == {"NPU": 4.0} and specs["decode-1"].resources == {"NPU": 2.0}
+    assert specs["decode-0"].engine_kwargs["additional_config"] == {"recompute_scheduler_enable": True}
+    assert doc["proxy_location"] == "Disabled" and app["args"]["router"]["http"]["port"] == 8000
 
 
 def test_cpu_defaults_bound_the_kv_cache_and_bind_threads():
@@ -140,3 +185,14 @@ def test_decode_hands_either_connector_the_relay_as_metaserver():
     for backend in ("cpu", "ascend"):
         decode = specs_by_name({"backend": backend})["decode-0"].engine_kwargs["kv_transfer_config"]
         assert decode["kv_role"] == "kv_consumer"
+
+
+def test_the_app_hands_each_replicas_resources_and_environment_to_ray():
+    from serve_app.app import build_app
+
+    app = build_app(ASCEND)
+    engines = app._bound_deployment.init_args[1]
+    options = {name: e._bound_deployment.ray_actor_options for name, e in engines.items()}
+    assert options["prefill-0"]["resources"] == {"NPU": 4.0} and options["decode-0"]["resources"] == {"NPU": 2.0}
+    env = options["decode-0"]["runtime_env"]["env_vars"]
+    assert env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True" and "VLLM_CPU_OMP_THREADS_BIND" not in env
