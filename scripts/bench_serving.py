@@ -1,6 +1,6 @@
 """pd-serve against vLLM's own OpenAI server, in one run, with vLLM's own benchmark client.
 
-Usage: ``.venv/bin/python scripts/bench_serving.py [--targets vllm,colocated,disaggregated,mock]
+Usage: ``.venv/bin/python scripts/bench_serving.py [--targets vllm,colocated,disaggregated,mock,mock-colocated]
 [--quick] [--out bench.json]`` (after ``make run`` or ``make test`` set up the venv and the tiny
 model; stop ``make run`` first: every target here is started and stopped by this script, one at
 a time, on free ports).
@@ -11,13 +11,16 @@ Targets, each started as a user would start it:
   thread binding) pd-serve gives its decode engine, one engine;
 * ``colocated``: ``serve run`` of configs/serve.yaml with no prefill engine, router.mode colocated;
 * ``disaggregated``: ``serve run`` of configs/serve.yaml as it is (one prefill, one decode);
-* ``mock``: configs/serve.yaml on the mock engine (``backend: mock``): the router alone.
+* ``mock``: configs/serve.yaml on the mock engine (``backend: mock``): the router and the
+  decode-first handoff, with engines that cost (almost) nothing;
+* ``mock-colocated``: the same, colocated on one mock decode engine: the router alone.
 
 Each is driven by ``vllm.benchmarks.serve`` (random dataset, ``--ignore-eos``, temperature 0) at
 concurrency 1, 8 and 32. The script prints one table with ratios to vLLM's server, the CPU
 seconds of each kind of process during each run (router, HTTP proxy, engine replica or API
 server, engine core, worker, Ray's own), the router's CPU microseconds per output token, and for
-the mock: the TTFT the router adds over calling the same mock engine's handle directly.
+the mocks: the TTFT the router adds over a direct streaming call to the same mock decode engine
+(colocated: the router's own share; disaggregated: with the KVReady callback and the prefill call).
 Timings compare targets within one run on one machine; they are not claims about other hosts.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -49,8 +53,12 @@ sys.path.insert(0, str(REPO_ROOT))
 VENV_BIN = Path(sys.executable).parent
 SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
 OVERRIDES: dict[str, Any] = {}  # --set KEY=JSON: app args for every pd-serve target
-MOCK_DECODE_STEP_S = 0.001
-MOCK_PREFILL_S_PER_TOKEN = 0.00001
+# The mock engine's costs: small enough that a mock engine outpaces one router replica, so what
+# the mock targets measure is the router. Their runs are longer (MOCK_PROMPTS_FACTOR x the
+# prompts): at these speeds the vLLM workloads' prompts take well under a second.
+MOCK_DECODE_STEP_S = 0.0005
+MOCK_PREFILL_S_PER_TOKEN = 0.000001
+MOCK_PROMPTS_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -182,11 +190,11 @@ def serve_yaml() -> dict[str, Any]:
 def app_args(target: str) -> dict[str, Any]:
     (app,) = serve_yaml()["applications"]
     args = dict(app["args"])
-    if target == "colocated":
+    if target in ("colocated", "mock-colocated"):
         args["prefill"] = {**args["prefill"], "replicas": 0}
         args["router"] = {**args["router"], "mode": "colocated"}
     args.update(OVERRIDES)
-    if target == "mock":
+    if target.startswith("mock"):
         # Fast enough that the router, not the engine, is what is measured.
         args["backend"] = "mock"
         args["mock"] = {"decode_step_s": MOCK_DECODE_STEP_S, "prefill_s_per_token": MOCK_PREFILL_S_PER_TOKEN}
@@ -274,6 +282,8 @@ def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path
     print(f"== {target}: starting", file=sys.stderr)
     with started(cmd, env, workdir / f"{target}.log", health, repo):
         for workload in workloads:
+            if target.startswith("mock"):
+                workload = dataclasses.replace(workload, prompts=workload.prompts * MOCK_PROMPTS_FACTOR)
             before = cpu_snapshot()
             started_at = time.monotonic()
             result = bench(port, workload, tokenizer, served)
@@ -284,12 +294,23 @@ def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path
                 f"== {target} {workload.name}: {result.get('output_throughput', 0):.0f} tok/s, failed {result.get('failed')}",
                 file=sys.stderr,
             )
-        if target == "mock":
-            results["router_added_ttft"] = router_added_ttft(port)
+        if target.startswith("mock"):
+            results["router_added_ttft"] = router_added_ttft_in_child(port)
     return results
 
 
-def router_added_ttft(port: int, samples: int = 40) -> dict[str, float]:
+def router_added_ttft_in_child(port: int) -> dict[str, float]:
+    """In a process of its own: Serve's handles cache the cluster they first met, and every
+    target runs on a cluster of its own."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--router-added-ttft", str(port)], capture_output=True, text=True, timeout=300, env=base_env()
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"router-added TTFT measurement failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def router_added_ttft(port: int, samples: int = 100) -> dict[str, float]:
     """TTFT through the router's handle API minus TTFT of a direct streaming call to the same
     mock decode engine, colocated-style (no prefill), for the same prompt: the router's own share."""
     import ray
@@ -322,7 +343,7 @@ def router_added_ttft(port: int, samples: int = 40) -> dict[str, float]:
                     direct.append(time.perf_counter() - t)
                     break
             stream.cancel()
-        via, dr = statistics.median(via_router[5:]), statistics.median(direct[5:])
+        via, dr = statistics.median(via_router[10:]), statistics.median(direct[10:])
         return {"router_ttft_p50_ms": via * 1000, "direct_ttft_p50_ms": dr * 1000, "router_added_ttft_p50_ms": (via - dr) * 1000}
     finally:
         ray.shutdown()
@@ -336,12 +357,13 @@ ROWS = [
     ("ITL p50 (ms)", "median_itl_ms", 1.0),
     ("failed", "failed", 1.0),
 ]
+ALL_TARGETS = ("vllm", "colocated", "disaggregated", "mock", "mock-colocated")
 CPU_KINDS = ["router", "http proxy", "engine replica", "api server", "engine core", "worker", "ray"]
 
 
 def report(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> str:
     lines = []
-    targets = [t for t in ("vllm", "colocated", "disaggregated", "mock") if t in results]
+    targets = [t for t in ALL_TARGETS if t in results]
     head = f"{'workload':<7}{'metric':<15}" + "".join(f"{t:>22}" for t in targets)
     lines += [head, "-" * len(head)]
     for w in workloads:
@@ -370,19 +392,20 @@ def report(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> str
             tokens = run["result"].get("total_output_tokens") or 0
             per_token = cpu.get("router", 0.0) / tokens * 1e6 if tokens and "router" in cpu else float("nan")
             lines.append(f"{t:<15}{w.name:<8}" + "".join(f"{cpu.get(k, 0.0):>15.2f}" for k in CPU_KINDS) + f"{per_token:>15.0f}")
-    mock = results.get("mock", {}).get("router_added_ttft")
-    if mock:
-        lines.append("")
-        lines.append(
-            f"mock engine: TTFT via the router's handle {mock['router_ttft_p50_ms']:.2f} ms, direct to the engine "
-            f"{mock['direct_ttft_p50_ms']:.2f} ms: the router adds {mock['router_added_ttft_p50_ms']:.2f} ms (p50)"
-        )
+    for t, what in (("mock-colocated", "the router alone"), ("mock", "the router and the decode-first handoff")):
+        mock = results.get(t, {}).get("router_added_ttft")
+        if mock:
+            lines.append("")
+            lines.append(
+                f"{t}: TTFT via the router's handle {mock['router_ttft_p50_ms']:.2f} ms, direct to the decode engine "
+                f"{mock['direct_ttft_p50_ms']:.2f} ms: {what} adds {mock['router_added_ttft_p50_ms']:.2f} ms (p50)"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--targets", default="vllm,colocated,disaggregated,mock")
+    parser.add_argument("--targets", default=",".join(ALL_TARGETS))
     parser.add_argument("--quick", action="store_true", help="fewer prompts per workload (a smoke run)")
     parser.add_argument("--out", type=Path, help="write every number as JSON here too")
     parser.add_argument(
@@ -398,7 +421,13 @@ def main(argv: list[str]) -> int:
         default=REPO_ROOT,
         help="the pd-serve checkout whose app is served (default: this one; e.g. a worktree of an older commit)",
     )
+    parser.add_argument("--router-added-ttft", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.router_added_ttft:  # the child of router_added_ttft_in_child
+        with contextlib.redirect_stdout(sys.stderr):
+            measured = router_added_ttft(args.router_added_ttft)
+        print(json.dumps(measured))
+        return 0
     workloads = QUICK if args.quick else WORKLOADS
     for item in args.set:
         key, _, value = item.partition("=")

@@ -118,6 +118,7 @@ class MockEngine:
         self._waiting: list[_Sequence] = []
         self._running: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
+        self._work = asyncio.Event()  # set when a request joins the waiting queue
         self._compute = asyncio.Lock()  # one prompt computed at a time, as one engine would
         self._tasks: list[asyncio.Task] = []
         self._server: asyncio.AbstractServer | None = None
@@ -154,6 +155,7 @@ class MockEngine:
             if params.get("do_remote_prefill"):
                 await self._await_kv(seq, params)
             self._waiting.append(seq)
+            self._work.set()
             first = True
             with self.pacer.stream() as pace:
                 while True:
@@ -281,6 +283,10 @@ class MockEngine:
 
     async def _step_loop(self) -> None:
         while True:
+            if not self._running and not self._waiting:
+                # Idle: no steps (an engine that spun here would take CPU from what is measured).
+                self._work.clear()
+                await self._work.wait()
             started = time.monotonic()
             await self._admit()
             self._step()
