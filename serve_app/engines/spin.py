@@ -8,6 +8,13 @@ prompt every few hundred milliseconds spins its core away for good (measured on 
 development host: the prefill worker spent 72% of its time in that loop under load, and
 disaggregated throughput was a fifth of colocated).
 
+A reader that stopped spinning sleeps on a ZeroMQ notification, and vLLM drops a notification
+when the previous one is still in flight (the writer's high-water mark is 1): on a busy small host
+that happens, and the reader then sleeps until its recheck interval, 5 s, with the step it should
+have read waiting (seen as 5-second stalls in the serving benchmark, in pd-serve and in vLLM's own
+server alike). So the plug-in also shortens that recheck to ``RECHECK_MS``: a lost notification
+costs at most that, and an idle reader wakes that often to look, which costs next to nothing.
+
 ``install`` is a vLLM general plugin (pyproject's ``vllm.general_plugins`` entry point), loaded in
 every process vLLM starts before its queues exist. When the engine's environment sets
 ``PD_SERVE_ENGINE_SPIN_S`` (the CPU backend does), the readers spin that long instead: still
@@ -23,6 +30,7 @@ import os
 logger = logging.getLogger("pd_serve.engine")
 
 ENV = "PD_SERVE_ENGINE_SPIN_S"
+RECHECK_MS = 10
 
 
 def install() -> None:
@@ -44,3 +52,5 @@ def install() -> None:
 
     condition.__init__ = __init__
     condition._pd_serve_spin_s = spin_s
+    if hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):  # read at every wait
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, RECHECK_MS)
