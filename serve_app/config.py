@@ -90,6 +90,9 @@ class RouterConfig(_Strict):
     )
     max_ongoing_requests: int = Field(1024, ge=1)
     http: RouterHTTPConfig = Field(default_factory=RouterHTTPConfig)
+    leak_warn_after_s: float = Field(
+        60.0, gt=0, description="leak audit: warn when an engine holds what no request needs for this long (router/leak_audit.py)"
+    )
 
 
 class MockConfig(_Strict):
@@ -124,6 +127,9 @@ class AppConfig(_Strict):
     )
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description="merged into both roles' kv_connector_extra_config")
     mock: MockConfig = Field(default_factory=MockConfig, description="the mock engine's costs (backend: mock only)")
+    log_encoding: Literal["TEXT", "JSON"] = Field(
+        "TEXT", description="every replica's log format (Serve's logging_config.encoding); JSON carries pd_* fields per line"
+    )
     stream_items_per_s: float = Field(
         400.0,
         ge=0,

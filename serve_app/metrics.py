@@ -15,6 +15,8 @@ from typing import Any
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 ATTEMPT_BUCKETS = [1, 2, 3, 4, 6, 8, 16, 32]
+ROUTER_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
+BYTES_BUCKETS = [float(1 << n) for n in range(10, 34, 2)]  # 1 KiB .. 8 GiB
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,20 @@ class RouterMetrics:
     wasted_tokens: Any  # pd_recompute_wasted_tokens_total
     fallback: Any  # pd_fallback_total{reason}: disaggregated requests served colocated
     router_inflight: Any  # pd_inflight{role="router",engine=<router>}
+    request_time: Any  # pd_request_seconds{route}: arrival -> last byte handed to the client
+    engine_wait: Any  # pd_engine_wait_seconds{route}: per request, time waiting on engines
+    router_time: Any  # pd_router_seconds{route}: per request, the router's own time
+    leak_requests: Any  # pd_leak_requests{engine}: requests an engine holds that no router does
+    leak_kv_tokens: Any  # pd_leak_kv_tokens{engine}: KV an engine holds with no request in flight
 
 
 @dataclass(frozen=True)
 class EngineMetrics:
     inflight: Any  # pd_inflight{role,engine}
     kv_usage: Any  # pd_engine_kv_usage{role,engine}
+    push_bytes: Any  # pd_kv_push_bytes{engine}: bytes a prefill engine pushed per transfer
+    push_time: Any  # pd_kv_push_seconds{engine}: first to last layer sent, per transfer
+    push_failures: Any  # pd_kv_push_failures{engine}
 
 
 @functools.cache
@@ -47,7 +57,7 @@ def _inflight_gauge() -> Any:
 
 @functools.cache
 def router_metrics() -> RouterMetrics:
-    from ray.serve.metrics import Counter, Histogram
+    from ray.serve.metrics import Counter, Gauge, Histogram
 
     return RouterMetrics(
         requests=Counter("pd_requests", "client requests by route and HTTP status", tag_keys=("route", "status")),
@@ -61,14 +71,31 @@ def router_metrics() -> RouterMetrics:
         wasted_tokens=Counter("pd_recompute_wasted_tokens", "tokens whose KV an ended attempt discarded"),
         fallback=Counter("pd_fallback", "disaggregated attempts served colocated", tag_keys=("reason",)),
         router_inflight=_inflight_gauge(),
+        request_time=Histogram("pd_request_seconds", "whole client request", boundaries=LATENCY_BUCKETS, tag_keys=("route",)),
+        engine_wait=Histogram(
+            "pd_engine_wait_seconds", "per request: time the router waited on engines", boundaries=LATENCY_BUCKETS, tag_keys=("route",)
+        ),
+        router_time=Histogram(
+            "pd_router_seconds",
+            "per request: the router's own time (the request's time minus engine and client waits)",
+            boundaries=ROUTER_BUCKETS,
+            tag_keys=("route",),
+        ),
+        leak_requests=Gauge("pd_leak_requests", "requests an engine holds that no router holds (leak audit)", tag_keys=("engine",)),
+        leak_kv_tokens=Gauge("pd_leak_kv_tokens", "KV tokens an engine holds with no request in flight (leak audit)", tag_keys=("engine",)),
     )
 
 
 @functools.cache
 def engine_metrics() -> EngineMetrics:
-    from ray.serve.metrics import Gauge
+    from ray.serve.metrics import Counter, Gauge, Histogram
 
     return EngineMetrics(
         inflight=_inflight_gauge(),
         kv_usage=Gauge("pd_engine_kv_usage", "KV cache usage, 0..1", tag_keys=("role", "engine")),
+        push_bytes=Histogram("pd_kv_push_bytes", "bytes of KV pushed per transfer", boundaries=BYTES_BUCKETS, tag_keys=("engine",)),
+        push_time=Histogram(
+            "pd_kv_push_seconds", "first to last layer of KV sent, per transfer", boundaries=LATENCY_BUCKETS, tag_keys=("engine",)
+        ),
+        push_failures=Counter("pd_kv_push_failures", "KV pushes that did not deliver", tag_keys=("engine",)),
     )

@@ -25,7 +25,7 @@ from serve_app.kv.layerwise_connector import LayerwisePushConnector
 from serve_app.kv.metadata import LayerwiseMetadata, SendSpec
 from serve_app.kv.producer import ProducerWorker
 from serve_app.kv.scheduler_side import SchedulerSide
-from serve_app.protocol import EngineRequest, PrefillResult
+from serve_app.protocol import EngineRequest, EngineStats, PrefillResult
 
 logger = logging.getLogger("pd_serve.tests.faults")
 
@@ -35,6 +35,8 @@ PUSH_DELAY = 902  # prefill sleeps PUSH_DELAY_S after each layer's push (to be k
 SKIP_METASERVER = 903  # decode never calls the metaserver back
 PREFILL_RAISE = 904  # the prefill deployment raises before running the engine
 BREAK_PUSH = 905  # prefill pushes to a port nobody listens on: the push breaks
+PREFILL_UNHEALTHY = 906  # the prefill replica reports itself unhealthy for UNHEALTHY_S after this prompt
+UNHEALTHY_S = 4.0
 PUSH_DELAY_S = 1.5
 
 
@@ -119,11 +121,22 @@ class FaultyConnector(LayerwisePushConnector):
 
 
 class _FaultyPrefill(Prefill.func_or_class):  # type: ignore[misc]
+    _unhealthy_until = 0.0
+
     async def run(self, request: EngineRequest) -> PrefillResult:
-        if fault_of(request.prompt_token_ids, request.request_id) == PREFILL_RAISE:
+        fault = fault_of(request.prompt_token_ids, request.request_id)
+        if fault == PREFILL_RAISE:
             self.runner.requests.put(request.request_id, {"fault": "injected"})
             raise PrefillFailed(f"{self.spec.name}: injected prefill failure")
+        if fault == PREFILL_UNHEALTHY:
+            self._unhealthy_until = time.monotonic() + UNHEALTHY_S
         return await super().run(request)
+
+    async def stats(self) -> EngineStats:
+        stats = await super().stats()
+        if time.monotonic() < self._unhealthy_until:
+            stats.healthy = False
+        return stats
 
 
 FaultyPrefill = serve.deployment(_FaultyPrefill)

@@ -1,9 +1,9 @@
 """A vLLM ``AsyncLLM`` with the few operations the deployments need.
 
 Token ids in, token deltas out: the router has already tokenized, so the engine is given a
-``TokensInput`` and never sees text. Deltas are coalesced in time (``coalesce_s``): while the
-wrapper waits, AsyncLLM's own output collector merges the engine steps that arrive, so a stream
-costs one Ray item per window instead of one per token.
+``TokensInput`` and never sees text. Deltas are paced (engines/pacing.py): while the wrapper
+waits, AsyncLLM's own output collector merges the engine steps that arrive, so concurrent
+streams cost fewer Ray items than tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 from serve_app.compat import CLIENT_ERRORS
 from serve_app.engines.pacing import StreamPacer
 from serve_app.engines.records import Recent, TransferRecords
+from serve_app.engines.vllm_metrics import ray_stat_logger
 from serve_app.protocol import EngineRejected, EngineRequest, EngineStats, Role, TokenDelta, TokenLogprob
 from serve_app.sampling import decode_sampling
 
@@ -81,7 +82,10 @@ class EngineRunner:
 
         started = time.monotonic()
         args = AsyncEngineArgs(**self.engine_kwargs)
-        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load.logger_factory()])
+        # The tracker feeds the router's load scores; vLLM's Ray stat logger exports vLLM's own
+        # engine metrics (and replaces vLLM's default Prometheus one, which Ray cannot scrape).
+        loggers = [self._load.logger_factory(), ray_stat_logger(self.name, self.role)]
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         cache = self.llm.vllm_config.cache_config
         self.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
         logger.info(

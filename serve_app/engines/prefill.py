@@ -36,6 +36,8 @@ class Prefill(EngineServer):
         if self.spec.push_records:
             transfer_id = str((request.kv_transfer_params or {}).get("request_id") or request.request_id)
             record = await self.runner.transfer_record(transfer_id, PUSH_RECORD_WAIT_S)
+            if record is not None:
+                self._observe_push(record)
             if record is not None and record.get("outcome") != "done":
                 raise PrefillFailed(f"{self.spec.name}: KV push of {transfer_id} failed: {record.get('error')}")
         return PrefillResult(
@@ -44,3 +46,14 @@ class Prefill(EngineServer):
             finish_reason=finish_reason,
             push=record,
         )
+
+    def _observe_push(self, record: dict) -> None:
+        tags = {"engine": self.spec.name}
+        if record.get("outcome") != "done":
+            self._metrics.push_failures.inc(tags=tags)
+            return
+        self._metrics.push_bytes.observe(float(record.get("bytes_pushed") or 0), tags=tags)
+        first = record.get("first_layer_sent_at")
+        last = record.get("last_layer_sent_at") or record.get("forward_done_at")
+        if first is not None and last is not None:
+            self._metrics.push_time.observe(max(0.0, float(last) - float(first)), tags=tags)

@@ -283,6 +283,20 @@ class AttemptRun:
         request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params)
         self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))
         response = self.executor.pool.handles[prefill.name].run.remote(request)
+        logger.info(
+            "attempt %s: KV ready on %s; prefill on %s pushes transfer %s",
+            self.plan.attempt_id,
+            self.decode,
+            prefill.name,
+            kv_params.get("request_id"),
+            extra={
+                "pd_request": self.plan.request_id,
+                "pd_attempt": self.plan.attempt_id,
+                "pd_decode": self.decode,
+                "pd_prefill": prefill.name,
+                "pd_transfer": kv_params.get("request_id"),
+            },
+        )
 
         async def call() -> Any:
             try:

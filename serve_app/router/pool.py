@@ -16,6 +16,7 @@ from typing import Any
 
 from serve_app.protocol import EngineStats, KVEndpoint, Role
 from serve_app.router.balancer import EngineLoad, ScoreFn, decode_score, prefill_score, select
+from serve_app.router.leak_audit import LeakAudit
 
 logger = logging.getLogger("pd_serve.router")
 
@@ -23,13 +24,14 @@ SCORES: dict[Role, ScoreFn] = {"decode": decode_score, "prefill": prefill_score}
 
 
 class EnginePool:
-    def __init__(self, engines: dict[str, tuple[Role, Any]], stats_timeout_s: float = 2.0) -> None:
+    def __init__(self, engines: dict[str, tuple[Role, Any]], stats_timeout_s: float = 2.0, audit: LeakAudit | None = None) -> None:
         self.handles: dict[str, Any] = {name: handle for name, (_, handle) in engines.items()}
         # Streaming variants, made once: every attempt opens a stream on one of them.
         self.stream_handles: dict[str, Any] = {name: handle.options(stream=True) for name, handle in self.handles.items()}
         self.loads: dict[str, EngineLoad] = {name: EngineLoad(name=name, role=role) for name, (role, _) in engines.items()}
         self.stats_timeout_s = stats_timeout_s
         self.reported: dict[str, EngineStats] = {}
+        self.audit = audit
         self._turn = itertools.count()
 
     def of_role(self, role: Role) -> list[EngineLoad]:
@@ -76,6 +78,8 @@ class EnginePool:
             load.kv_used_tokens = result.kv_used_tokens
             load.kv_capacity_tokens = result.kv_capacity_tokens
             load.num_waiting = result.num_waiting
+            if self.audit is not None:
+                self.audit.check(name, load.inflight, result)
 
     async def _stats(self, name: str) -> EngineStats:
         return await asyncio.wait_for(self.handles[name].stats.remote(), self.stats_timeout_s)

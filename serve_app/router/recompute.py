@@ -42,13 +42,17 @@ class Action(str, enum.Enum):
 
 @dataclass(frozen=True)
 class AttemptPlan:
-    attempt_id: str
+    attempt_id: str  # "<request id>-<number>"
     number: int  # 1-based
     prompt_token_ids: list[int]
     max_tokens: int
     disaggregated: bool
     avoid: frozenset[str] = frozenset()  # engines (either role) not preferred: the last one that failed
     min_tokens: int = 0  # what is left of the request's min_tokens
+
+    @property
+    def request_id(self) -> str:
+        return self.attempt_id.rsplit("-", 1)[0]
 
 
 @dataclass

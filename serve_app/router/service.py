@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from serve_app.protocol import Role
 from serve_app.router.cdcp import AttemptExecutor
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
 from serve_app.router.framing import SSE_DONE, sse
+from serve_app.router.leak_audit import Discrepancy, LeakAudit
 from serve_app.router.parsing import ModelContext, ParsedRequest, Route, decode_json, parse_request, route_of
 from serve_app.router.pool import EnginePool
 from serve_app.router.session import ResponseSession
@@ -76,8 +78,13 @@ class RouterService:
             vocab_size=vocab_size,
             tokenizer=tokenizer,
         )
-        self.pool = EnginePool(engines)
         self.metrics = metrics
+        audit = LeakAudit(
+            warn_after_s=config.router.leak_warn_after_s,
+            sole_router=config.router.num_replicas == 1,
+            report=self._report_leaks,
+        )
+        self.pool = EnginePool(engines, audit=audit)
         self.executor = AttemptExecutor(self.pool, config.router.timeouts, metrics, BACKENDS[config.backend].kv_ready_checks)
         self.replica_id = replica_id
         self.inflight = 0
@@ -108,6 +115,7 @@ class RouterService:
     # ------------------------------------------------------------------ HTTP
     async def http(self, route: Route, raw_body: bytes) -> Response:
         """A /v1/completions or /v1/chat/completions request, answered as the OpenAI API does."""
+        received = time.monotonic()
         try:
             parsed = parse_request(route, decode_json(raw_body), self.ctx)
         except OpenAIError as exc:
@@ -118,12 +126,12 @@ class RouterService:
             self._count(route, 500)
             return JSONResponse(error_body("internal error while reading the request", 500), 500)
         if not parsed.stream:
-            status, body = await self._final(parsed)
+            status, body = await self._final(parsed, received)
             return JSONResponse(body, status)
-        session = self._session(parsed)
+        session = self._session(parsed, received)
         events = session.stream_events()
         stack = AsyncExitStack()
-        outcome = stack.enter_context(self._in_flight(route))
+        outcome = stack.enter_context(self._in_flight(route, session))
         stack.push_async_callback(events.aclose)  # type: ignore[attr-defined]
         try:
             first = await anext(events)
@@ -140,9 +148,13 @@ class RouterService:
     async def _sse(
         self, session: ResponseSession, first: dict[str, Any], events: AsyncIterator[dict[str, Any]], outcome: Outcome
     ) -> AsyncIterator[str]:
+        started = time.perf_counter()
         yield sse(first)
+        session.client_wait_s += time.perf_counter() - started
         async for event in events:
+            started = time.perf_counter()
             yield sse(event)
+            session.client_wait_s += time.perf_counter() - started
         yield SSE_DONE
         outcome.status = session.status
 
@@ -176,28 +188,32 @@ class RouterService:
         """Stream the events the HTTP API sends for this request (as dicts), whatever its
         ``stream`` field says; a bad request yields one error event."""
         route = route_of(request)
+        received = time.monotonic()
         try:
             parsed = parse_request(route, {**request, "stream": True}, self.ctx)
         except OpenAIError as exc:
             self._count(route, exc.status)
             yield exc.body()
             return
-        session = self._session(parsed)
-        with self._in_flight(route) as outcome:
+        session = self._session(parsed, received)
+        with self._in_flight(route, session) as outcome:
             async for event in session.stream_events():
+                started = time.perf_counter()
                 yield event
+                session.client_wait_s += time.perf_counter() - started
             outcome.status = session.status
 
     async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
         """The final response dict (or an OpenAI error body) for this request, non-streaming."""
         route = route_of(request)
+        received = time.monotonic()
         body = {k: v for k, v in request.items() if k != "stream_options"}
         try:
             parsed = parse_request(route, {**body, "stream": False}, self.ctx)
         except OpenAIError as exc:
             self._count(route, exc.status)
             return exc.body()
-        _, response = await self._final(parsed)
+        _, response = await self._final(parsed, received)
         return response
 
     async def engine_snapshot(self, refresh: bool = True) -> dict[str, Any]:
@@ -207,7 +223,7 @@ class RouterService:
         return {"router": {"replica": self.replica_id, "inflight": self.inflight}, "engines": self.pool.snapshot()}
 
     # ------------------------------------------------------------------ internals
-    def _session(self, parsed: ParsedRequest) -> ResponseSession:
+    def _session(self, parsed: ParsedRequest, received_at: float | None = None) -> ResponseSession:
         return ResponseSession(
             parsed,
             executor=self.executor,
@@ -217,6 +233,7 @@ class RouterService:
             max_attempts=self.config.router.max_attempts,
             request_timeout_s=self.config.router.timeouts.request_s,
             metrics=self.metrics,
+            received_at=received_at,
         )
 
     def _choose_disaggregated(self) -> bool:
@@ -234,15 +251,15 @@ class RouterService:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    async def _final(self, parsed: ParsedRequest) -> tuple[int, dict[str, Any]]:
-        session = self._session(parsed)
-        with self._in_flight(parsed.route) as outcome:
+    async def _final(self, parsed: ParsedRequest, received_at: float | None = None) -> tuple[int, dict[str, Any]]:
+        session = self._session(parsed, received_at)
+        with self._in_flight(parsed.route, session) as outcome:
             status, body = await session.final_response()
             outcome.status = status
             return status, body
 
     @contextmanager
-    def _in_flight(self, route: Route) -> Iterator[Outcome]:
+    def _in_flight(self, route: Route, session: ResponseSession | None = None) -> Iterator[Outcome]:
         outcome = Outcome()
         self._track(+1)
         try:
@@ -250,8 +267,14 @@ class RouterService:
         finally:
             self._track(-1)
             self._count(route, outcome.status)
+            if session is not None:
+                session.observe_times()
             if outcome.status == CLIENT_CLOSED:
                 logger.info("a %s request ended: the client went away", route)
+
+    def _report_leaks(self, engine: str, found: Discrepancy) -> None:
+        self.metrics.leak_requests.set(found.requests, tags={"engine": engine})
+        self.metrics.leak_kv_tokens.set(found.kv_tokens, tags={"engine": engine})
 
     def _track(self, change: int) -> None:
         self.inflight += change

@@ -35,6 +35,7 @@ class ResponseSession:
         max_attempts: int,
         request_timeout_s: float,
         metrics: RouterMetrics,
+        received_at: float | None = None,
     ) -> None:
         self.request = request
         self.executor = executor
@@ -53,7 +54,12 @@ class ResponseSession:
         )
         self.framer = ResponseFramer(request, token_text)
         self.status = 200
-        self._started = time.monotonic()
+        self._started = received_at if received_at is not None else time.monotonic()
+        # Where the request's time went (``observe_times``): waiting on engines, and waiting on
+        # the HTTP layer and the client to take a chunk (added by whoever sends the chunks).
+        self.engine_wait_s = 0.0
+        self.client_wait_s = 0.0
+        self._engines: dict[str, None] = {}  # engines that served this request, in order
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
 
@@ -104,12 +110,13 @@ class ResponseSession:
                     "disaggregated" if plan.disaggregated else "colocated",
                     len(plan.prompt_token_ids),
                     plan.max_tokens,
+                    extra={"pd_request": machine.request_id, "pd_attempt": plan.attempt_id},
                 )
                 step: Step | None = None
                 # The attempt runs in this task (no wait_for around it): a cancellation, which
                 # anyio delivers again at every await, then finds nothing half-running to close.
                 async with aclosing(self.executor.run(plan, self.request.sampling_params, deadline)) as events:
-                    async for event in events:
+                    async for event in _EngineWaitClock(events, self):
                         step = self._step(event)
                         if step is None:
                             continue
@@ -133,19 +140,29 @@ class ResponseSession:
             machine.kv_ready()
             return None
         if isinstance(event, PrefillDoneEvent):
+            self._engines.setdefault(event.engine, None)
             machine.prefill_done()
             return None
         if isinstance(event, DeltaEvent):
+            self._engines.setdefault(event.engine, None)
             return machine.on_delta(event.delta, event.engine)
         assert isinstance(event, AttemptFailed)
         self.metrics.errors.inc(tags={"kind": event.kind})
-        logger.warning("request %s attempt %d failed: %s", machine.request_id, machine.attempts, event.reason)
+        logger.warning(
+            "request %s attempt %d failed: %s",
+            machine.request_id,
+            machine.attempts,
+            event.reason,
+            extra={"pd_request": machine.request_id, "pd_engine": event.engine, "pd_error": event.kind},
+        )
         return machine.on_attempt_failed(event.reason, event.retryable, event.engine, event.status)
 
     def _note_outcome(self, attempt_id: str, step: Step) -> None:
         if step.recomputed:
             self.metrics.recompute.inc()
-            self.metrics.wasted_tokens.inc(step.wasted_tokens)
+            if step.wasted_tokens > 0:  # a Ray counter takes positive increments only
+                self.metrics.wasted_tokens.inc(step.wasted_tokens)
+        ids = {"pd_request": self.machine.request_id, "pd_attempt": attempt_id}
         if step.action is Action.RETRY:
             logger.info(
                 "request %s attempt %s ended (%s) with %d output tokens so far; resuming",
@@ -153,9 +170,35 @@ class ResponseSession:
                 attempt_id,
                 "recomputed" if step.recomputed else "failed",
                 self.machine.completion_tokens,
+                extra={**ids, "pd_outcome": "recomputed" if step.recomputed else "failed"},
+            )
+        elif self.machine.finished:
+            logger.info(
+                "request %s finished after %d attempt(s) on %s: %d output tokens, %s",
+                self.machine.request_id,
+                self.machine.attempts,
+                ", ".join(self._engines) or "no engine",
+                self.machine.completion_tokens,
+                self.machine.finish_reason or "error",
+                extra={
+                    **ids,
+                    "pd_outcome": self.machine.finish_reason or "error",
+                    "pd_attempts": self.machine.attempts,
+                    "pd_engines": ",".join(self._engines),
+                },
             )
 
     # ------------------------------------------------------------------ metrics
+    def observe_times(self) -> None:
+        """The request's time, and the router's own share of it: what is left once the waits
+        on engines and on the client are taken out (parsing, tokenizing, the state machine,
+        detokenizing, framing)."""
+        total = time.monotonic() - self._started
+        route = self.request.route
+        self.metrics.request_time.observe(total, tags={"route": route})
+        self.metrics.engine_wait.observe(self.engine_wait_s, tags={"route": route})
+        self.metrics.router_time.observe(max(0.0, total - self.engine_wait_s - self.client_wait_s), tags={"route": route})
+
     def _note_tokens(self, emission: Emission) -> None:
         if emission.token_ids:
             now = time.monotonic()
@@ -170,3 +213,22 @@ class ResponseSession:
         n = machine.completion_tokens
         if n > 1 and self._first_token_at is not None and self._last_token_at is not None:
             self.metrics.tpot.observe((self._last_token_at - self._first_token_at) / (n - 1), tags={"route": self.request.route})
+
+
+class _EngineWaitClock:
+    """The attempt's events, timing how long each took to come (the router waiting on its
+    engines). A plain iterator, not a generator: closing stays with the attempt's own."""
+
+    def __init__(self, events: AsyncIterator[Any], session: ResponseSession) -> None:
+        self._events = events
+        self._session = session
+
+    def __aiter__(self) -> _EngineWaitClock:
+        return self
+
+    async def __anext__(self) -> Any:
+        started = time.perf_counter()
+        try:
+            return await self._events.__anext__()
+        finally:
+            self._session.engine_wait_s += time.perf_counter() - started

@@ -162,10 +162,25 @@ def _engine_idle(engine: dict[str, Any]) -> bool:
     )
 
 
-def metric_lines(port: int) -> list[str]:
-    """pd-serve's lines on Ray's Prometheus endpoint."""
+def metric_lines(port: int, prefix: str = "ray_pd_") -> list[str]:
+    """pd-serve's lines (or those of another prefix: ``ray_vllm_`` for vLLM's) on Ray's
+    Prometheus endpoint."""
     text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return [line for line in text.splitlines() if line.startswith("ray_pd_")]
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def wait_for_metrics(port: int, wanted: list[tuple[str, str]], timeout_s: float = 90) -> None:
+    """Until every (line prefix, tag text) is on Ray's Prometheus endpoint; fail naming those
+    that never came."""
+    deadline = time.monotonic() + timeout_s
+    missing = list(wanted)
+    while True:
+        lines = metric_lines(port, prefix="ray_")
+        missing = [(name, tag) for name, tag in missing if not any(line.startswith(name) and tag in line for line in lines)]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, f"not exported: {missing}"
 
 
 def post(app: DeployedApp, path: str, body: dict[str, Any], timeout: float = 180) -> requests.Response:

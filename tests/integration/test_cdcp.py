@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -21,6 +22,7 @@ from tests.integration.conftest import (
     metric_lines,
     post,
     token_pattern,
+    wait_for_metrics,
     wait_healthy,
     wait_idle,
 )
@@ -227,20 +229,21 @@ def test_hostile_peers_on_the_kv_port_change_nothing(app, baseline_app):
 
 
 def test_disaggregation_metrics_are_exported_per_engine(app, cluster):
-    completion_ids(app, token_pattern(333, seed=71))
+    """Every engine's pd_* gauges, vLLM's own metrics and (for prefill) its KV push metrics."""
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: completion_ids(app, token_pattern(333, seed=71 + i)), range(6)))
+    engines = ("prefill-0", "prefill-1", "decode-0", "decode-1")
     wanted = [
         ("ray_pd_kv_ready_seconds_bucket{", ""),
         ("ray_pd_prefill_seconds_bucket{", ""),
-        *[("ray_pd_inflight{", f'engine="{name}"') for name in ("prefill-0", "prefill-1", "decode-0", "decode-1")],
-        *[("ray_pd_engine_kv_usage{", f'engine="{name}"') for name in ("prefill-0", "prefill-1", "decode-0", "decode-1")],
+        *[("ray_pd_inflight{", f'engine="{name}"') for name in engines],
+        *[("ray_pd_engine_kv_usage{", f'engine="{name}"') for name in engines],
+        *[("ray_pd_leak_requests{", f'engine="{name}"') for name in engines],
+        *[("ray_vllm_num_requests_running{", f'engine="{name}"') for name in engines],
+        *[("ray_vllm_kv_cache_usage_perc{", f'engine="{name}"') for name in engines],
+        *[("ray_pd_kv_push_bytes_bucket{", f'engine="{name}"') for name in engines if name.startswith("prefill")],
     ]
-    deadline = time.monotonic() + 90
-    missing = wanted
-    while missing and time.monotonic() < deadline:
-        lines = metric_lines(cluster.metrics_port)
-        missing = [(name, tag) for name, tag in missing if not any(line.startswith(name) and tag in line for line in lines)]
-        time.sleep(2)
-    assert not missing, f"not exported: {missing}"
+    wait_for_metrics(cluster.metrics_port, wanted)
     wait_idle(app)
 
 
@@ -259,7 +262,7 @@ def test_failing_prefill_is_retried_on_another_engine(app, baseline_app):
     wait_idle(app)
 
 
-def test_a_broken_push_is_reported_by_prefill_and_retried_at_once(app, baseline_app):
+def test_a_broken_push_is_reported_by_prefill_and_retried_at_once(app, baseline_app, cluster):
     """The push breaks (decode unreachable from prefill): prefill's call fails with the push's
     error, so the router retries at once instead of waiting for decode's receive deadline."""
     prompt = faulty_prompt(BREAK_PUSH, token_pattern(350, seed=25))
@@ -272,6 +275,7 @@ def test_a_broken_push_is_reported_by_prefill_and_retried_at_once(app, baseline_
     assert pushed and pushed[0]["outcome"] == "failed" and "push to" in pushed[0]["error"]
     decode = [d["transfers"][first] for d in inspect(app, "decode", [first]).values() if d["transfers"][first]]
     assert decode and decode[0]["outcome"] == "aborted"  # the waiting decode request was freed
+    wait_for_metrics(cluster.metrics_port, [("ray_pd_kv_push_failures_total{", "")])
     wait_idle(app)
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import openai
 import pytest
 import requests
 
-from tests.integration.conftest import LogWatch, deploy, metric_lines, serve_yaml_app, wait_idle
+from tests.integration.conftest import LogWatch, deploy, serve_yaml_app, wait_for_metrics, wait_idle
 
 pytestmark = pytest.mark.engine
 
@@ -208,21 +207,44 @@ def test_client_disconnect_mid_stream_releases_everything(app):
     assert "Task exception was never retrieved" not in text and "Traceback" not in text, text[-3000:]
 
 
+# vLLM's own engine metrics (its Ray stat logger), by the names Ray exports them under.
+VLLM_ENGINE_METRICS = [
+    "ray_vllm_num_requests_running{",
+    "ray_vllm_num_requests_waiting{",
+    "ray_vllm_kv_cache_usage_perc{",
+    "ray_vllm_prefix_cache_queries_total{",
+    "ray_vllm_prompt_tokens_total{",
+    "ray_vllm_time_to_first_token_seconds_bucket{",
+    "ray_vllm_request_success_total{",
+]
+
+
 def test_metrics_exported_after_traffic(app, client, cluster):
+    """pd-serve's own metrics of this app's traffic, and vLLM's engine metrics for every engine,
+    labelled with the engine's name and role (README, Monitoring)."""
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True).close()
     requests.post(app.base_url + "/v1/completions", json={"prompt": "hi", "n": 2}, timeout=30)
-    wanted = {
-        "ray_pd_requests_total": 'status="200"',
-        "ray_pd_ttft_seconds_bucket": "",
-        "ray_pd_tpot_seconds_bucket": "",
-        "ray_pd_inflight": 'role="decode"',
-        "ray_pd_engine_kv_usage": 'engine="decode-0"',
-        "ray_pd_errors_total": 'kind="invalid_request"',
-    }
-    deadline = time.monotonic() + 90
-    missing: dict[str, Any] = dict(wanted)
-    while missing and time.monotonic() < deadline:
-        lines = metric_lines(cluster.metrics_port)
-        missing = {name: tag for name, tag in missing.items() if not any(line.startswith(name + "{") and tag in line for line in lines)}
-        time.sleep(2)
-    assert not missing, f"metrics not exported: {sorted(missing)}"
+    wanted = [
+        ("ray_pd_requests_total{", 'status="200"'),
+        ("ray_pd_errors_total{", 'kind="invalid_request"'),
+        ("ray_pd_ttft_seconds_bucket{", ""),
+        ("ray_pd_tpot_seconds_bucket{", ""),
+        ("ray_pd_request_seconds_bucket{", 'route="completions"'),
+        ("ray_pd_engine_wait_seconds_bucket{", 'route="completions"'),
+        ("ray_pd_router_seconds_bucket{", 'route="completions"'),
+        ("ray_pd_attempts_per_request_bucket{", ""),
+        ("ray_pd_kv_ready_seconds_bucket{", ""),
+        ("ray_pd_prefill_seconds_bucket{", ""),
+        ("ray_pd_kv_push_bytes_bucket{", 'engine="prefill-0"'),
+        ("ray_pd_kv_push_seconds_bucket{", 'engine="prefill-0"'),
+        ("ray_pd_inflight{", 'role="decode"'),
+        ("ray_pd_inflight{", 'role="router"'),
+        ("ray_pd_engine_kv_usage{", 'engine="decode-0"'),
+        ("ray_pd_leak_requests{", 'engine="decode-0"'),
+        ("ray_pd_leak_kv_tokens{", 'engine="prefill-0"'),
+    ]
+    for engine, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        wanted += [(name, f'engine="{engine}"') for name in VLLM_ENGINE_METRICS]
+        wanted.append(("ray_vllm_num_requests_running{", f'role="{role}"'))
+    wait_for_metrics(cluster.metrics_port, wanted)

@@ -21,7 +21,7 @@ from serve_app.config import load_config
 from serve_app.engines.backends import engine_specs
 from serve_app.engines.decode import Decode
 from serve_app.engines.prefill import Prefill
-from serve_app.metrics import RouterMetrics
+from serve_app.metrics import EngineMetrics, RouterMetrics
 from serve_app.router.service import RouterService
 
 
@@ -32,10 +32,53 @@ class NullMetric:
     observe = set = inc
 
 
+class RecordingMetric:
+    """Keeps what was recorded, per tag set: the last value set, the sum of increments, the
+    observations."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple, float] = {}
+        self.observed: dict[tuple, list[float]] = {}
+
+    @staticmethod
+    def _key(tags: dict[str, str] | None) -> tuple:
+        return tuple(sorted((tags or {}).items()))
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.values[self._key(tags)] = value
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        if value <= 0:  # as Ray's counters: an increment must be positive
+            raise ValueError(f"value must be >0, got {value}")
+        key = self._key(tags)
+        self.values[key] = self.values.get(key, 0.0) + value
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.observed.setdefault(self._key(tags), []).append(value)
+
+    def value(self, **tags: str) -> float | None:
+        return self.values.get(self._key(tags))
+
+    def observations(self, **tags: str) -> list[float]:
+        return self.observed.get(self._key(tags), [])
+
+
+def recording_router_metrics() -> RouterMetrics:
+    import dataclasses
+
+    return RouterMetrics(**{f.name: RecordingMetric() for f in dataclasses.fields(RouterMetrics)})
+
+
 def null_router_metrics() -> RouterMetrics:
     import dataclasses
 
     return RouterMetrics(**{f.name: NullMetric() for f in dataclasses.fields(RouterMetrics)})
+
+
+def null_engine_metrics() -> EngineMetrics:
+    import dataclasses
+
+    return EngineMetrics(**{f.name: NullMetric() for f in dataclasses.fields(EngineMetrics)})
 
 
 @dataclass
@@ -166,7 +209,7 @@ class App:
         self.faults: dict[str, Faults] = {}
 
     @classmethod
-    async def start(cls, args: dict[str, Any], tokenizer: Any) -> App:
+    async def start(cls, args: dict[str, Any], tokenizer: Any, metrics: RouterMetrics | None = None) -> App:
         app = cls()
         config = load_config(args)
         handles: dict[str, tuple[str, Any]] = {}
@@ -178,7 +221,12 @@ class App:
             app.faults[spec.name] = Faults()
             handles[spec.name] = (spec.role, FakeHandle(engine, app.faults[spec.name]))
         app.service = RouterService(
-            config, handles, tokenizer=tokenizer, vocab_size=len(tokenizer), metrics=null_router_metrics(), replica_id="router-test"
+            config,
+            handles,
+            tokenizer=tokenizer,
+            vocab_size=len(tokenizer),
+            metrics=metrics or null_router_metrics(),
+            replica_id="router-test",
         )
         await app.service.pool.refresh()
         return app

@@ -112,10 +112,17 @@ class Peer:
 
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection((HOST, port), timeout=WAIT_S)
+        self.reset_while_sending = False
 
     def send(self, parts: list[bytes | memoryview]) -> None:
+        """Send the parts; a consumer that refuses a frame from its header may close the
+        connection before the payload is through (what ``closed_by_peer`` then reports)."""
         for part in parts:
-            self.sock.sendall(part)
+            try:
+                self.sock.sendall(part)
+            except (ConnectionResetError, BrokenPipeError):
+                self.reset_while_sending = True
+                return
 
     def layer(
         self, tid: str, secret: str, block_ids: list[int], data: torch.Tensor, layer: str = "l0", compat_hash: int | None = None
@@ -135,6 +142,8 @@ class Peer:
 
     def closed_by_peer(self, timeout_s: float = WAIT_S) -> bool:
         """True once the consumer has closed this connection."""
+        if self.reset_while_sending:
+            return True
         self.sock.settimeout(timeout_s)
         try:
             return self.sock.recv(1) == b""

@@ -27,18 +27,6 @@ def args(**changes: Any) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture
-def engines_without_ray(monkeypatch):
-    """Engine replicas report to Ray's metrics; here they report to nothing."""
-    import serve_app.engines.server as server
-    from tests.unit.inprocess import NullMetric
-
-    class NullEngineMetrics:
-        inflight = kv_usage = NullMetric()
-
-    monkeypatch.setattr(server, "engine_metrics", lambda: NullEngineMetrics())
-
-
 def run(coro_fn, app_args: dict[str, Any], tokenizer) -> Any:
     async def main() -> Any:
         app = await App.start(app_args, tokenizer)

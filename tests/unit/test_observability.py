@@ -1,0 +1,190 @@
+"""What an operator sees of the router: where a request's time went, the leak audit, and one
+request's story in the logs (fast: the in-process app on mock engines, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+
+from serve_app.engines.mock import _Sequence
+from serve_app.protocol import EngineStats
+from serve_app.router.leak_audit import Discrepancy, LeakAudit, discrepancy
+from tests.unit.inprocess import App, recording_router_metrics
+from tests.unit.test_orchestration import args, completion
+
+
+class Captured(logging.Handler):
+    """pd-serve's log records, taken at its own logger (whatever else the suite did to Serve's
+    logging, where pd-serve's records are forwarded)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def pd_log():
+    handler = Captured()
+    ours = logging.getLogger("pd_serve")
+    level = ours.level
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        ours.removeHandler(handler)
+        ours.setLevel(level)
+
+
+def stats(inflight: int, kv_usage: float = 0.0, capacity: int = 1000) -> EngineStats:
+    return EngineStats(
+        name="decode-0",
+        role="decode",
+        num_running=inflight,
+        num_waiting=0,
+        kv_usage=kv_usage,
+        kv_capacity_tokens=capacity,
+        inflight=inflight,
+    )
+
+
+# ---------------------------------------------------------------------------- the audit, pure
+def test_a_discrepancy_is_what_an_engine_holds_beyond_the_routers_leases_or_kv_with_nothing_in_flight():
+    assert discrepancy(2, stats(2, 0.3), sole_router=True) == Discrepancy(0, 0)
+    assert discrepancy(1, stats(3, 0.3), sole_router=True) == Discrepancy(2, 0)
+    assert discrepancy(0, stats(0, 0.25), sole_router=True) == Discrepancy(0, 250)
+    # With other routers, this one's leases say nothing about the engine's count.
+    assert discrepancy(0, stats(3, 0.3), sole_router=False) == Discrepancy(0, 0)
+    assert discrepancy(0, stats(0, 0.25), sole_router=False) == Discrepancy(0, 250)
+
+
+def test_the_audit_warns_once_when_a_discrepancy_persists_and_rearms_when_it_clears(pd_log):
+    now = [0.0]
+    reported: list[tuple[str, Discrepancy]] = []
+    audit = LeakAudit(warn_after_s=10, sole_router=True, report=lambda n, d: reported.append((n, d)), clock=lambda: now[0])
+
+    def warnings() -> int:
+        return sum("leak audit" in r.getMessage() for r in pd_log.records)
+
+    audit.check("decode-0", 0, stats(1))
+    now[0] = 9.0
+    audit.check("decode-0", 0, stats(1))
+    assert warnings() == 0  # a moment's discrepancy is normal
+    now[0] = 10.5
+    audit.check("decode-0", 0, stats(1))
+    now[0] = 30.0
+    audit.check("decode-0", 0, stats(1))
+    assert warnings() == 1
+    audit.check("decode-0", 1, stats(1))  # gone: re-armed
+    now[0] = 31.0
+    audit.check("decode-0", 0, stats(1))
+    now[0] = 35.0
+    audit.check("decode-0", 0, stats(1))
+    assert warnings() == 1  # a new episode starts its own clock
+    now[0] = 41.5
+    audit.check("decode-0", 0, stats(1))
+    assert warnings() == 2
+    assert reported[0] == ("decode-0", Discrepancy(1, 0)) and reported[4] == ("decode-0", Discrepancy(0, 0))
+
+
+# ---------------------------------------------------------------------------- in the running app
+def run_with_metrics(body, app_args, tokenizer):
+    metrics = recording_router_metrics()
+
+    async def main():
+        app = await App.start(app_args, tokenizer, metrics=metrics)
+        try:
+            await asyncio.wait_for(body(app, metrics), 30)
+            await app.idle()
+        finally:
+            await app.stop()
+
+    asyncio.run(main())
+
+
+def test_an_injected_leak_raises_the_gauges_and_is_logged(engines_without_ray, tiny_tokenizer, pd_log):
+    """The test-only seam: a request the engine holds that no router sent (as a lost abort would
+    leave), and KV held by an engine with nothing in flight."""
+
+    async def body(app, metrics):
+        status, _ = await completion(app, [11, 12, 13], max_tokens=4)
+        assert status == 200
+        pool = app.service.pool
+        await pool.refresh()
+        assert metrics.leak_requests.value(engine="decode-0") == 0 and metrics.leak_kv_tokens.value(engine="decode-1") == 0
+
+        ghost = _Sequence("ghost", [1, 2, 3], 10**6, 0, frozenset(), None, False)
+        app.engines["decode-0"].runner._by_id["ghost"] = ghost  # held by the engine, by no router
+        stranded = _Sequence("stranded", [7] * 40, 10**6, 0, frozenset(), None, False)
+        app.engines["decode-1"].runner._running.append(stranded)  # KV in use, no request in flight
+        for _ in range(8):
+            await pool.refresh()
+            await asyncio.sleep(0.1)
+        assert metrics.leak_requests.value(engine="decode-0") == 1
+        assert metrics.leak_kv_tokens.value(engine="decode-1") >= 40
+        warned = [r for r in pd_log.records if "leak audit" in r.getMessage()]
+        assert {r.pd_engine for r in warned} == {"decode-0", "decode-1"}, [r.getMessage() for r in warned]
+
+        del app.engines["decode-0"].runner._by_id["ghost"]
+        app.engines["decode-1"].runner._running.remove(stranded)
+        await pool.refresh()
+        assert metrics.leak_requests.value(engine="decode-0") == 0 and metrics.leak_kv_tokens.value(engine="decode-1") == 0
+
+    run_with_metrics(body, args(router={"leak_warn_after_s": 0.3}), tiny_tokenizer)
+
+
+def test_a_requests_time_is_split_into_engine_wait_and_the_routers_own(engines_without_ray, tiny_tokenizer):
+    async def body(app, metrics):
+        for stream in (False, True):
+            status, _ = await completion(app, [11, 12, 13], max_tokens=20, stream=stream)
+            assert status == 200
+        (total_plain, total_stream) = metrics.request_time.observations(route="completions")
+        waits = metrics.engine_wait.observations(route="completions")
+        own = metrics.router_time.observations(route="completions")
+        assert len(waits) == len(own) == 2
+        for total, wait, mine in zip((total_plain, total_stream), waits, own):
+            assert 0 < wait < total and 0 < mine < total
+            assert wait + mine <= total + 1e-9
+        # 20 decode steps of 1 ms at least: most of the time is the engines'.
+        assert min(waits) >= 0.015
+
+    run_with_metrics(body, args(mock={"decode_step_s": 0.001}), tiny_tokenizer)
+
+
+def test_one_request_is_traced_across_its_attempts(engines_without_ray, tiny_tokenizer, pd_log):
+    """Filtering the log on the client's request id tells the whole story: every attempt, the
+    engines and transfers of each, the recompute, the end; and the JSON log carries the ids."""
+
+    async def body(app, metrics):
+        prompts = [[20 + i] * 10 for i in range(6)]
+        results = await asyncio.gather(*(completion(app, p, max_tokens=60) for p in prompts))
+        assert all(status == 200 for status, _ in results)
+        recomputed = [
+            r.pd_request for r in pd_log.records if getattr(r, "pd_outcome", None) == "recomputed" and getattr(r, "pd_request", None)
+        ]
+        assert recomputed, "no recompute under this pressure"
+        request_id = recomputed[0]
+        assert request_id in {data["id"] for _, data in results}
+        story = [r for r in pd_log.records if getattr(r, "pd_request", None) == request_id]
+        attempts = sorted({r.pd_attempt for r in story if hasattr(r, "pd_attempt")})
+        assert len(attempts) >= 2 and all(a.startswith(request_id + "-") for a in attempts)
+        handoffs = [r for r in story if hasattr(r, "pd_transfer")]
+        assert {r.pd_attempt for r in handoffs} == set(attempts)  # every attempt was disaggregated
+        assert all(r.pd_transfer == r.pd_attempt and r.pd_prefill.startswith("prefill-") for r in handoffs)
+        assert all(r.pd_decode.startswith("decode-") for r in handoffs)
+        (end,) = [r for r in story if getattr(r, "pd_outcome", None) == "length"]
+        assert end.pd_attempts == len(attempts) and "decode-" in end.pd_engines and "prefill-0" in end.pd_engines
+
+        from ray._common.formatters import JSONFormatter
+
+        line = json.loads(JSONFormatter().format(handoffs[0]))
+        assert line["pd_request"] == request_id and line["pd_transfer"] == handoffs[0].pd_attempt
+
+    pressure = args(router={"max_attempts": 30}, mock={"decode_step_s": 0.001, "kv_capacity_tokens": 200})
+    run_with_metrics(body, pressure, tiny_tokenizer)
