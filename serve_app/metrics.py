@@ -16,7 +16,6 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 ATTEMPT_BUCKETS = [1, 2, 3, 4, 6, 8, 16, 32]
 ROUTER_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
-BYTES_BUCKETS = [float(1 << n) for n in range(10, 34, 2)]  # 1 KiB .. 8 GiB
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,8 @@ class RouterMetrics:
 class EngineMetrics:
     inflight: Any  # pd_inflight{role,engine}
     kv_usage: Any  # pd_engine_kv_usage{role,engine}
-    push_bytes: Any  # pd_kv_push_bytes{engine}: bytes a prefill engine pushed per transfer
+    pushes: Any  # pd_kv_pushes_total{engine}: KV transfers a prefill engine delivered
+    push_bytes: Any  # pd_kv_push_bytes_total{engine}: bytes of KV they carried
     push_time: Any  # pd_kv_push_seconds{engine}: first to last layer sent, per transfer
     push_failures: Any  # pd_kv_push_failures{engine}
 
@@ -93,7 +93,9 @@ def engine_metrics() -> EngineMetrics:
     return EngineMetrics(
         inflight=_inflight_gauge(),
         kv_usage=Gauge("pd_engine_kv_usage", "KV cache usage, 0..1", tag_keys=("role", "engine")),
-        push_bytes=Histogram("pd_kv_push_bytes", "bytes of KV pushed per transfer", boundaries=BYTES_BUCKETS, tag_keys=("engine",)),
+        # Counters, not a histogram: Ray exports a histogram's _sum from bucket midpoints.
+        pushes=Counter("pd_kv_pushes", "KV transfers delivered", tag_keys=("engine",)),
+        push_bytes=Counter("pd_kv_push_bytes", "bytes of KV delivered", tag_keys=("engine",)),
         push_time=Histogram(
             "pd_kv_push_seconds", "first to last layer of KV sent, per transfer", boundaries=LATENCY_BUCKETS, tag_keys=("engine",)
         ),

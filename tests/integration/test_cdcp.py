@@ -241,7 +241,7 @@ def test_disaggregation_metrics_are_exported_per_engine(app, cluster):
         *[("ray_pd_leak_requests{", f'engine="{name}"') for name in engines],
         *[("ray_vllm_num_requests_running{", f'engine="{name}"') for name in engines],
         *[("ray_vllm_kv_cache_usage_perc{", f'engine="{name}"') for name in engines],
-        *[("ray_pd_kv_push_bytes_bucket{", f'engine="{name}"') for name in engines if name.startswith("prefill")],
+        *[("ray_pd_kv_push_bytes_total{", f'engine="{name}"') for name in engines if name.startswith("prefill")],
     ]
     wait_for_metrics(cluster.metrics_port, wanted)
     wait_idle(app)
