@@ -82,6 +82,7 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
         logging_config={"encoding": config.log_encoding},
         ray_actor_options={
             "num_cpus": router.num_cpus,
+            "resources": dict(router.resources),
             "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **BACKENDS[config.backend].router_env}},
         },
     ).bind(config.model_dump(mode="json"), engines)

@@ -90,6 +90,9 @@ class RouterConfig(_Strict):
     )
     max_ongoing_requests: int = Field(1024, ge=1)
     http: RouterHTTPConfig = Field(default_factory=RouterHTTPConfig)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources per router replica (placement: e.g. {pd_head: 0.01})"
+    )
     leak_warn_after_s: float = Field(
         60.0, gt=0, description="leak audit: warn when an engine holds what no request needs for this long (router/leak_audit.py)"
     )

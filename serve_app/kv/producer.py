@@ -104,6 +104,7 @@ class ProducerWorker:
             now = time.time()
             self._frames[tid] = self._frames.get(tid, 0) + 1
             record = self._records.setdefault(tid, new_record("prefill"))
+            record["pushed_to"] = f"{spec.host}:{spec.port}"  # the decode engine's side channel
             record["layers_pushed"] += 1
             record["bytes_pushed"] += data.numel() * data.element_size()
             record["push_times"].append(now)

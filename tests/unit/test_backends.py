@@ -196,3 +196,23 @@ def test_the_app_hands_each_replicas_resources_and_environment_to_ray():
     assert options["prefill-0"]["resources"] == {"NPU": 4.0} and options["decode-0"]["resources"] == {"NPU": 2.0}
     env = options["decode-0"]["runtime_env"]["env_vars"]
     assert env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True" and "VLLM_CPU_OMP_THREADS_BIND" not in env
+
+
+def test_placement_by_custom_resources_for_every_role():
+    from serve_app.app import build_app
+
+    args = {
+        "prefill": {"replicas": 1, "resources": {"pd_node1": 0.01}},
+        "decode": {"replicas": 2, "resources": {"pd_decode": 1}},
+        "router": {"resources": {"pd_node1": 0.01}},
+    }
+    app = build_app(args)
+    router = app._bound_deployment
+    engines = router.init_args[1]
+    assert router.ray_actor_options["resources"] == {"pd_node1": 0.01}
+    assert engines["prefill-0"]._bound_deployment.ray_actor_options["resources"] == {"pd_node1": 0.01}
+    assert all(engines[f"decode-{i}"]._bound_deployment.ray_actor_options["resources"] == {"pd_decode": 1.0} for i in range(2))
+    # The default: CPUs only, Ray places engines wherever they fit.
+    default = build_app({"prefill": {"replicas": 1}})
+    assert default._bound_deployment.ray_actor_options["resources"] == {}
+    assert all(not e._bound_deployment.ray_actor_options["resources"] for e in default._bound_deployment.init_args[1].values())
