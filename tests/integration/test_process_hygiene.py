@@ -9,14 +9,10 @@ without touching anything outside. The namespaces and everything in them end wit
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO_ROOT
+from tests.integration import namespaces
 
 pytestmark = pytest.mark.engine
 
@@ -66,33 +62,13 @@ say "OK"
 """
 
 
-def _can_unshare() -> str | None:
-    if not shutil.which("unshare") or not shutil.which("ip"):
-        return "unshare or ip (iproute2) is not installed"
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--net", "--mount-proc", "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"this machine cannot create PID and network namespaces: {probe.stderr.strip()}"
-    return None
-
-
 def test_ray_stop_force_leaves_no_engine_and_the_next_start_is_healthy():
-    reason = _can_unshare()
+    reason = namespaces.unavailable()
     if reason:
         pytest.skip(reason)
-    work = Path(tempfile.mkdtemp(prefix="pdh-", dir="/tmp"))  # short: Ray's socket paths are limited
-    try:
-        env = {**os.environ, "REPO": str(REPO_ROOT), "WORK": str(work)}
-        result = subprocess.run(
-            ["unshare", "--pid", "--fork", "--net", "--mount-proc", "bash", "-c", SCRIPT],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-        assert "[hygiene] OK" in result.stdout
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    result = namespaces.run_script(SCRIPT, prefix="pdh-", timeout_s=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "[hygiene] OK" in result.stdout
 
 
 def test_a_busy_kv_port_is_replaced_by_a_free_one(cluster):

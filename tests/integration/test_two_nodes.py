@@ -14,15 +14,9 @@ with the PID namespace.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import pytest
 
-from tests.integration.conftest import REPO_ROOT
+from tests.integration import namespaces
 
 pytestmark = pytest.mark.engine
 
@@ -58,36 +52,11 @@ exit $rc
 """
 
 
-def _can_unshare() -> str | None:
-    if not shutil.which("unshare") or not shutil.which("ip"):
-        return "unshare or ip (iproute2) is not installed"
-    probe = subprocess.run(
-        ["unshare", "--pid", "--fork", "--net", "--mount-proc", "bash", "-c", "ip netns add pdprobe && ip netns delete pdprobe"],
-        capture_output=True,
-        text=True,
-    )
-    if probe.returncode != 0:
-        return f"this machine cannot create PID and network namespaces: {probe.stderr.strip()}"
-    return None
-
-
 def test_two_nodes_token_exact_kv_across_nodes_and_a_node_lost_under_load():
-    reason = _can_unshare()
+    reason = namespaces.unavailable("ip netns add pdprobe && ip netns delete pdprobe")
     if reason:
         pytest.skip(reason)
-    work = Path(tempfile.mkdtemp(prefix="pd2n-", dir="/tmp"))  # short: Ray's socket paths are limited
-    try:
-        env = {**os.environ, "REPO": str(REPO_ROOT), "WORK": str(work)}
-        env.pop("RAY_ADDRESS", None)
-        result = subprocess.run(
-            ["unshare", "--pid", "--fork", "--net", "--mount-proc", "bash", "-c", SCRIPT],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        out = result.stdout[-8000:] + result.stderr[-3000:]
-        assert result.returncode == 0, out
-        assert "[two-nodes] OK" in result.stdout, out
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    result = namespaces.run_script(SCRIPT, prefix="pd2n-", timeout_s=900)
+    out = result.stdout[-8000:] + result.stderr[-3000:]
+    assert result.returncode == 0, out
+    assert "[two-nodes] OK" in result.stdout, out
