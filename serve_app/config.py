@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from serve_app.engines.pacing import DEFAULT_ITEMS_PER_S
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-llama"
 
@@ -134,7 +136,7 @@ class AppConfig(_Strict):
         "TEXT", description="every replica's log format (Serve's logging_config.encoding); JSON carries pd_* fields per line"
     )
     stream_items_per_s: float = Field(
-        400.0,
+        DEFAULT_ITEMS_PER_S,
         ge=0,
         description=(
             "items per second an engine replica streams, all its requests together (engines/pacing.py): "

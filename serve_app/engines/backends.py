@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.config import AppConfig, EngineGroupConfig
+from serve_app.engines.pacing import DEFAULT_ITEMS_PER_S
 from serve_app.engines.spin import ENV as SPIN_ENV
 from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
 from serve_app.protocol import Role
@@ -153,7 +154,7 @@ class EngineSpec:
     health_check_period_s: float
     health_check_timeout_s: float
     backend: str = "cpu"
-    stream_items_per_s: float = 400.0
+    stream_items_per_s: float = DEFAULT_ITEMS_PER_S
     # Ray custom resources of the replica (its accelerators, placement labels).
     resources: dict[str, float] = field(default_factory=dict)
 

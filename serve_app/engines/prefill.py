@@ -38,8 +38,8 @@ class Prefill(EngineServer):
             record = await self.runner.transfer_record(transfer_id, PUSH_RECORD_WAIT_S)
             if record is not None:
                 self._observe_push(record)
-            if record is not None and record.get("outcome") != "done":
-                raise PrefillFailed(f"{self.spec.name}: KV push of {transfer_id} failed: {record.get('error')}")
+                if record.get("outcome") != "done":
+                    raise PrefillFailed(f"{self.spec.name}: KV push of {transfer_id} failed: {record.get('error')}")
         return PrefillResult(
             request_id=request.request_id,
             num_prompt_tokens=len(request.prompt_token_ids),

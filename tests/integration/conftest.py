@@ -116,6 +116,28 @@ def deployed(cluster: Cluster, name: str, args: dict[str, Any], plugins: Any = N
         serve.delete(app.name)
 
 
+# The tiny model's KV per block: tokens/block * layers * (K,V) * kv heads * head_dim * fp32.
+BLOCK_BYTES = 128 * 2 * 2 * 2 * 32 * 4
+
+
+def kv_pressure_args(decode_replicas: int) -> dict[str, Any]:
+    """A disaggregated app whose decode engines hold 16 usable blocks (2048 tokens) each, the least
+    vLLM accepts for max_model_len: a few long generations at once run them out of KV."""
+    return {
+        "served_model_name": "tiny-llama",
+        "max_model_len": 2048,
+        "engine_kwargs": {"max_num_batched_tokens": 2048},
+        "prefill": {"replicas": 1, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 64 << 20}},
+        "decode": {"replicas": decode_replicas, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 17 * BLOCK_BYTES}},
+        "router": {
+            "mode": "disaggregated",
+            "num_cpus": 0.1,
+            "max_attempts": 24,
+            "timeouts": {"kv_ready_s": 300, "prefill_s": 60, "first_token_s": 300, "request_s": 900},
+        },
+    }
+
+
 def token_pattern(length: int, seed: int) -> list[int]:
     """A prompt of token ids that only this seed produces (so no engine has it cached by chance)."""
     return [(seed * 131 + i * 17 + (i * i) % 7) % 900 + 20 for i in range(length)]

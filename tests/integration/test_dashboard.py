@@ -14,25 +14,13 @@ import pytest
 
 from serve_app.config import REPO_ROOT
 from tests.faults import BREAK_PUSH, FAULTS, PREFILL_UNHEALTHY, faulty_prompt
-from tests.integration.conftest import completion_ids, deployed, metric_lines, token_pattern, wait_idle
+from tests.integration.conftest import completion_ids, deployed, kv_pressure_args, metric_lines, token_pattern, wait_idle
 
 pytestmark = pytest.mark.engine
 
 DASHBOARD = REPO_ROOT / "configs" / "grafana" / "pd-serve.json"
-BLOCK_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # tokens/block * layers * (K,V) * kv heads * head_dim * fp32
-ARGS = {
-    "served_model_name": "tiny-llama",
-    "max_model_len": 2048,
-    "prefill": {"replicas": 1, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 64 << 20}},
-    # 16 usable blocks (2048 tokens): three long generations at once cannot all fit.
-    "decode": {"replicas": 1, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 17 * BLOCK_BYTES}},
-    "router": {
-        "mode": "disaggregated",
-        "num_cpus": 0.1,
-        "max_attempts": 24,
-        "timeouts": {"kv_ready_s": 300, "prefill_s": 60, "first_token_s": 300, "request_s": 900},
-    },
-}
+# One decode engine with 16 blocks: three long generations at once cannot all fit.
+ARGS = kv_pressure_args(decode_replicas=1)
 
 
 def dashboard_metrics() -> set[str]:

@@ -18,6 +18,7 @@ from tests.integration.conftest import (
     busy_engine,
     deployed,
     inspect,
+    kv_pressure_args,
     metric_lines,
     post,
     token_pattern,
@@ -27,21 +28,7 @@ from tests.integration.conftest import (
 
 pytestmark = pytest.mark.engine
 
-BLOCK_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # tokens/block * layers * (K,V) * kv heads * head_dim * fp32
-ARGS = {
-    "served_model_name": "tiny-llama",
-    "max_model_len": 2048,
-    "engine_kwargs": {"max_num_batched_tokens": 2048},
-    "prefill": {"replicas": 1, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 64 << 20}},
-    # 16 usable blocks (2048 tokens) per decode engine: the least vLLM accepts for max_model_len.
-    "decode": {"replicas": 2, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 17 * BLOCK_BYTES}},
-    "router": {
-        "mode": "disaggregated",
-        "num_cpus": 0.1,
-        "max_attempts": 24,
-        "timeouts": {"kv_ready_s": 300, "prefill_s": 60, "first_token_s": 300, "request_s": 900},
-    },
-}
+ARGS = kv_pressure_args(decode_replicas=2)
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,12 @@ import pytest
 from ray.exceptions import TaskCancelledError
 
 from serve_app.logs import LOGGER, quiet_cancelled_requests, to_serve_logs
-
-
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+from tests.log_capture import RecordList
 
 
 @pytest.fixture
 def asyncio_records():
-    capture = Capture()
+    capture = RecordList()
     logger = logging.getLogger("asyncio")
     logger.addHandler(capture)
     yield capture.records
@@ -55,7 +47,7 @@ def test_other_unretrieved_exceptions_are_still_reported(asyncio_records):
 
 
 def test_pd_serve_records_go_through_the_serve_logger():
-    capture = Capture()
+    capture = RecordList()
     serve_logger = logging.getLogger("ray.serve")
     serve_logger.addHandler(capture)
     try:

@@ -12,25 +12,16 @@ import pytest
 from serve_app.engines.mock import _Sequence
 from serve_app.protocol import EngineStats
 from serve_app.router.leak_audit import Discrepancy, LeakAudit, discrepancy
+from tests.log_capture import RecordList
 from tests.unit.inprocess import App, recording_router_metrics
 from tests.unit.test_orchestration import args, completion
 
 
-class Captured(logging.Handler):
-    """pd-serve's log records, taken at its own logger (whatever else the suite did to Serve's
-    logging, where pd-serve's records are forwarded)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
 def pd_log():
-    handler = Captured()
+    """pd-serve's log records, taken at its own logger (whatever else the suite did to Serve's
+    logging, where pd-serve's records are forwarded)."""
+    handler = RecordList(logging.INFO)
     ours = logging.getLogger("pd_serve")
     level = ours.level
     ours.addHandler(handler)
