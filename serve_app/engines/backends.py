@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from serve_app.config import AppConfig, EngineGroupConfig
 from serve_app.engines.pacing import DEFAULT_ITEMS_PER_S
+from serve_app.engines.spin import CORE_ENV as CORE_SPIN_ENV
 from serve_app.engines.spin import ENV as SPIN_ENV
 from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
 from serve_app.protocol import Role
@@ -25,6 +26,8 @@ from serve_app.protocol import Role
 MiB = 1 << 20
 # How long a CPU engine's processes spin for their next step before sleeping (engines/spin.py).
 ENGINE_SPIN_S = 0.005
+# How long an engine core spins for its workers' results (a forward) before sleeping.
+ENGINE_CORE_SPIN_S = 0.0001
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ CPU = Backend(
         "TOKENIZERS_PARALLELISM": "false",
         WATCHDOG_ENV: "1",
         SPIN_ENV: str(ENGINE_SPIN_S),
+        CORE_SPIN_ENV: str(ENGINE_CORE_SPIN_S),
     },
     router_env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
     pins_cpu_threads=True,

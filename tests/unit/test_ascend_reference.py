@@ -206,5 +206,5 @@ def test_ascend_replicas_ask_ray_for_npus_and_carry_no_cpu_settings(specs):
         tp = spec.engine_kwargs["tensor_parallel_size"]
         assert spec.resources == {"NPU": float(tp)}
         assert "VLLM_CPU_OMP_THREADS_BIND" not in spec.env and "VLLM_HOST_IP" not in spec.env
-        assert not any(k.startswith("PD_SERVE_ENGINE_SPIN") for k in spec.env)
+        assert not any(k.startswith(("PD_SERVE_ENGINE_SPIN", "PD_SERVE_ENGINE_CORE_SPIN")) for k in spec.env)
         assert "kv_cache_memory_bytes" not in spec.engine_kwargs and "enforce_eager" not in spec.engine_kwargs
