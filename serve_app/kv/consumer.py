@@ -4,8 +4,10 @@ Receiving threads (one per connection, at most ``max_connections``) read frames 
 one before holding its bytes: the wire rules (``wire.py``: version, layout hash, sizes from this
 engine's own geometry), then the transfer's secret, then that its blocks are the transfer's own
 writable blocks. Checked frames are queued; the worker writes them into the KV cache on its own
-thread at the step boundary (``on_step``), and only while their request still waits, so a late
-frame can never touch blocks the scheduler has handed to another request.
+thread between forwards (at a step's start, ``on_step``, and at its end, ``results``), and only
+while their request still waits, so a late frame can never touch blocks the scheduler has handed
+to another request (vLLM keeps the blocks of a request that waits for KV, aborted or not, until
+the connector reports its receive over).
 
 Trust: a frame is only ever applied to the transfer it authenticates for. A frame with a wrong
 or missing secret is dropped and its connection closed without touching the transfer it names
@@ -288,9 +290,12 @@ class ConsumerWorker:
                     self._done.add(req_id)
             for spec in meta.recv:
                 self._arm(spec)
-            while self._queue:
-                state, frame = self._queue.popleft()
-                self._apply(state, frame)
+            self._write_queued()
+
+    def _write_queued(self) -> None:
+        while self._queue:
+            state, frame = self._queue.popleft()
+            self._apply(state, frame)
 
     def _arm(self, spec: RecvSpec) -> None:
         tid = spec.transfer_id
@@ -370,9 +375,14 @@ class ConsumerWorker:
 
     def results(self) -> tuple[set[str], set[str]]:
         """(finished, failed) engine request ids since the last call; failed ones are in both,
-        so vLLM leaves its waiting state for them."""
+        so vLLM leaves its waiting state for them.
+
+        Called at the end of every step: frames that arrived during its forward are written
+        now, so a transfer whose last frame came in is reported with this step's output and its
+        request decodes in the next step, not one step later."""
         now = time.time()
         with self._lock:
+            self._write_queued()
             for state in list(self._waiting.values()):
                 if now > state.deadline:
                     self._fail(state, f"no complete KV within {state.spec.timeout_s:.0f}s")

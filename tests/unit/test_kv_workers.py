@@ -97,6 +97,18 @@ def test_consumer_writes_received_layers_into_named_blocks(consumer, peers):
     assert consumer.results() == (set(), set())  # reported once
 
 
+def test_frames_that_came_during_a_forward_are_written_and_reported_at_its_end(consumer, peers):
+    """vLLM asks for finished receives after the step's forward: a transfer whose last frame came
+    in meanwhile is reported then, not a step later (one more decode step of TTFT)."""
+    before = snapshot(consumer.kv.layers)
+    secret = arm(consumer, "req-1", "t-1", [3, 4])
+    data = deliver(peers(), "t-1", secret, [3, 4], seed=9)
+    wait_for(lambda: len(consumer._queue) == 3)  # both layers and the done frame, none written
+    assert_caches_equal(consumer.kv.layers, before)
+    assert consumer.results() == ({"req-1"}, set())  # no on_step in between
+    assert_caches_equal(consumer.kv.layers, expected_after(before, [3, 4], data))
+
+
 def test_consumer_frames_before_arming_are_applied_once_armed(consumer, peers):
     before = snapshot(consumer.kv.layers)
     peer = peers()
