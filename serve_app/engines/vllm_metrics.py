@@ -105,13 +105,16 @@ def ray_stat_logger(engine: str, role: str) -> type:
     metric_classes = {"_gauge_cls": gauge, "_counter_cls": counter, "_histogram_cls": histogram}
     base = ray_wrappers.RayPrometheusStatLogger
 
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        self._pd_throttle = SchedulerStatsThrottle()  # once per logger, not per step
+        base.__init__(self, *args, **kwargs)
+
     def record(self: Any, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
-        throttle = self.__dict__.setdefault("_pd_throttle", SchedulerStatsThrottle())
-        scheduler_stats = throttle.filter(scheduler_stats)
+        scheduler_stats = self._pd_throttle.filter(scheduler_stats)
         if scheduler_stats is not None or iteration_stats is not None or mm_cache_stats is not None:
             base.record(self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
 
-    members: dict[str, Any] = {**metric_classes, "record": record}
+    members: dict[str, Any] = {**metric_classes, "__init__": __init__, "record": record}
     for attr in ("_spec_decoding_cls", "_kv_connector_cls", "_perf_metrics_cls"):
         parent = getattr(base, attr, None)
         if parent is not None:
