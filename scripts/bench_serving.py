@@ -214,9 +214,9 @@ def vllm_server_command(port: int) -> tuple[list[str], dict[str, str]]:
 
     (spec,) = [s for s in engine_specs(load_config(app_args("colocated"))) if s.role == "decode"]
     kwargs = {k: v for k, v in spec.engine_kwargs.items() if k not in ("kv_transfer_config", "scheduler_cls")}
-    # The engine's own environment (thread binding, offline hub, and the idle-spin bound, which
-    # vLLM's server on a small shared host needs as much as pd-serve's engines do), not the
-    # parent watchdog.
+    # The engine's own environment (thread binding, offline hub, the idle-spin bounds and the
+    # engine core's placement on its worker's cores, which vLLM's server on a small shared host
+    # gets as pd-serve's engines do), not the parent watchdog.
     env = {k: v for k, v in spec.env.items() if k != WATCHDOG_ENV}
     cmd = [str(VENV_BIN / "python"), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
     for key, value in kwargs.items():

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.config import AppConfig, EngineGroupConfig
+from serve_app.engines.core_affinity import ENV as CORE_BIND_ENV
 from serve_app.engines.pacing import DEFAULT_ITEMS_PER_S
 from serve_app.engines.spin import CORE_ENV as CORE_SPIN_ENV
 from serve_app.engines.spin import ENV as SPIN_ENV
@@ -180,6 +181,10 @@ def engine_specs(config: AppConfig) -> list[EngineSpec]:
             env = dict(backend.engine_env)
             if backend.pins_cpu_threads:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(group.cpu_bind, i, index, ncores)
+                if env["VLLM_CPU_OMP_THREADS_BIND"] != "nobind":
+                    # The engine core takes turns with its workers: it runs on their cores
+                    # (engines/core_affinity.py).
+                    env[CORE_BIND_ENV] = "1"
             env.update(group.env)
             specs.append(
                 EngineSpec(

@@ -57,7 +57,7 @@ def test_ascend_leaves_cpu_settings_out():
     for spec in specs_by_name(ASCEND).values():
         assert "VLLM_CPU_OMP_THREADS_BIND" not in spec.env
         assert "VLLM_HOST_IP" not in spec.env  # Mooncake and HCCL must see the node's own address
-        assert not any(k.startswith(("PD_SERVE_ENGINE_SPIN", "PD_SERVE_ENGINE_CORE_SPIN")) for k in spec.env)
+        assert not any(k.startswith(("PD_SERVE_ENGINE_SPIN", "PD_SERVE_ENGINE_CORE_SPIN", "PD_SERVE_ENGINE_CORE_BIND")) for k in spec.env)
         assert "kv_cache_memory_bytes" not in spec.engine_kwargs and "enforce_eager" not in spec.engine_kwargs
         assert "kv_host" not in spec.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
 
@@ -113,6 +113,8 @@ def test_cpu_defaults_bound_the_kv_cache_and_bind_threads():
         # Engine processes spin briefly for their next step, and the core more briefly still for
         # a forward (engines/spin.py); a group's env can change either.
         assert float(spec.env["PD_SERVE_ENGINE_CORE_SPIN_S"]) < float(spec.env["PD_SERVE_ENGINE_SPIN_S"]) <= 0.01
+        # Its engine core runs on its workers' cores (engines/core_affinity.py).
+        assert spec.env["PD_SERVE_ENGINE_CORE_BIND"] == "1"
     binds = {spec.env["VLLM_CPU_OMP_THREADS_BIND"] for spec in specs.values()}
     assert len(binds) == min(2, __import__("os").cpu_count() or 1)
 
@@ -136,6 +138,9 @@ def test_cpu_bind_list_and_nobind():
     assert specs["decode-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert specs["decode-1"].env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert specs["prefill-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    # An engine whose threads are not bound leaves its engine core's placement alone too.
+    assert "PD_SERVE_ENGINE_CORE_BIND" not in specs["prefill-0"].env
+    assert specs["decode-0"].env["PD_SERVE_ENGINE_CORE_BIND"] == "1"
 
 
 def test_cpu_engines_load_the_layerwise_connector_when_prefill_engines_exist():
@@ -219,3 +224,9 @@ def test_placement_by_custom_resources_for_every_role():
     default = build_app({"prefill": {"replicas": 1}})
     assert default._bound_deployment.ray_actor_options["resources"] == {}
     assert all(not e._bound_deployment.ray_actor_options["resources"] for e in default._bound_deployment.init_args[1].values())
+
+
+def test_mock_engines_get_no_cpu_placement_or_spin_settings():
+    for spec in specs_by_name({"backend": "mock", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}).values():
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in spec.env
+        assert not any(k.startswith("PD_SERVE_ENGINE_") for k in spec.env)

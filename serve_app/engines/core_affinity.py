@@ -1,0 +1,65 @@
+"""A CPU engine's EngineCore process runs on its workers' cores.
+
+vLLM binds a CPU engine's worker threads to cores (``VLLM_CPU_OMP_THREADS_BIND``) and lets its
+EngineCore process run anywhere. The two take turns, every step: the worker computes the forward
+while the core sleeps (engines/spin.py), then the core reads the output, schedules the next step
+and hands it over while the worker waits. A free-running core, woken for that turn, queues for a
+CPU behind whatever else runs there: on a small host the router, the engine replicas, the other
+engine and Ray, so every decode step waits for it. On its workers' own cores the only other thread
+ready to run is the worker that is waiting for it (and yields: it spins with ``sched_yield``).
+Measured on the 2-core development host, c=8, the same running app alternating the two
+placements three times (means): throughput +12% colocated and +13% disaggregated, TPOT p50
+3.2 -> 2.8 ms and 2.7 -> 2.3 ms; vLLM's own server, measured the same way, -4%, within its
+spread.
+
+``install`` is a vLLM general plugin (pyproject's ``vllm.general_plugins`` entry point); vLLM
+loads the plugins in the EngineCore process before it starts the workers. It acts only there,
+only when the engine's environment sets ``PD_SERVE_ENGINE_CORE_BIND=1`` (the CPU backend does for
+engines whose threads it binds) and only for explicit core lists, never vLLM's ``auto`` or
+``nobind``. Workers started afterwards bind their own threads as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+
+logger = logging.getLogger("pd_serve.engine")
+
+ENV = "PD_SERVE_ENGINE_CORE_BIND"
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def workers_cpus(bind: str) -> set[int] | None:
+    """The cores an explicit ``VLLM_CPU_OMP_THREADS_BIND`` gives the engine's workers, all ranks
+    together ("0-3|4-7" -> 0..7); None where vLLM chooses (``auto``) or binds nothing."""
+    bind = bind.strip()
+    if not bind or bind in ("auto", "nobind", "all"):
+        return None
+    cpus: set[int] = set()
+    for part in bind.replace("|", ",").split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            return None  # not a core list vLLM would take either: leave the placement alone
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus or None
+
+
+def install() -> None:
+    if os.environ.get(ENV) != "1" or not multiprocessing.current_process().name.startswith("EngineCore"):
+        return
+    cpus = workers_cpus(os.environ.get(BIND_ENV, ""))
+    if cpus is None:
+        return
+    cpus &= os.sched_getaffinity(0)
+    if not cpus:
+        logger.warning("engine core not bound: none of the cores in %s=%s is available to it", BIND_ENV, os.environ.get(BIND_ENV))
+        return
+    # Every thread the process has so far; threads started later inherit the placement.
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    logger.info("engine core %d runs on its workers' cores %s", os.getpid(), sorted(cpus))
