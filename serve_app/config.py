@@ -135,6 +135,13 @@ class AppConfig(_Strict):
     log_encoding: Literal["TEXT", "JSON"] = Field(
         "TEXT", description="every replica's log format (Serve's logging_config.encoding); JSON carries pd_* fields per line"
     )
+    replica_cpus: Literal["spare", "all"] = Field(
+        "spare",
+        description=(
+            "cpu backend: 'spare' runs the router and engine replicas on the cores no engine's threads are "
+            "bound to, when the host has any (cpu_placement.py); 'all' lets them run anywhere"
+        ),
+    )
     stream_items_per_s: float = Field(
         DEFAULT_ITEMS_PER_S,
         ge=0,

@@ -13,10 +13,11 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from serve_app.config import AppConfig, EngineGroupConfig
+from serve_app.cpu_placement import engines_cpus
 from serve_app.engines.core_affinity import ENV as CORE_BIND_ENV
 from serve_app.engines.pacing import DEFAULT_ITEMS_PER_S
 from serve_app.engines.spin import CORE_ENV as CORE_SPIN_ENV
@@ -162,6 +163,9 @@ class EngineSpec:
     stream_items_per_s: float = DEFAULT_ITEMS_PER_S
     # Ray custom resources of the replica (its accelerators, placement labels).
     resources: dict[str, float] = field(default_factory=dict)
+    # Cores the replica keeps off once its engine has started: every engine's bound cores
+    # (cpu_placement.py); empty: it runs anywhere.
+    engines_cores: tuple[int, ...] = ()
 
     @property
     def push_records(self) -> bool:
@@ -202,7 +206,16 @@ def engine_specs(config: AppConfig) -> list[EngineSpec]:
                     resources=_resources(config, backend, role, group),  # type: ignore[arg-type]
                 )
             )
-    return specs
+    cores = tuple(sorted(replicas_keep_off(config, specs)))
+    return [replace(spec, engines_cores=cores) for spec in specs]
+
+
+def replicas_keep_off(config: AppConfig, specs: list[EngineSpec]) -> set[int]:
+    """The cores the router and engine replicas stay off: every engine's bound cores, where the
+    backend binds engine threads and ``replica_cpus`` is ``spare``."""
+    if config.replica_cpus != "spare" or not BACKENDS[config.backend].pins_cpu_threads:
+        return set()
+    return engines_cpus(spec.env for spec in specs)
 
 
 def _resources(config: AppConfig, backend: Backend, role: Role, group: EngineGroupConfig) -> dict[str, float]:

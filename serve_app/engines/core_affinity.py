@@ -25,25 +25,11 @@ import logging
 import multiprocessing
 import os
 
+from serve_app.cpu_placement import BIND_ENV, bind_process, workers_cpus
+
 logger = logging.getLogger("pd_serve.engine")
 
 ENV = "PD_SERVE_ENGINE_CORE_BIND"
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
-def workers_cpus(bind: str) -> set[int] | None:
-    """The cores an explicit ``VLLM_CPU_OMP_THREADS_BIND`` gives the engine's workers, all ranks
-    together ("0-3|4-7" -> 0..7); None where vLLM chooses (``auto``) or binds nothing."""
-    bind = bind.strip()
-    if not bind or bind in ("auto", "nobind", "all"):
-        return None
-    cpus: set[int] = set()
-    for part in bind.replace("|", ",").split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
-            return None  # not a core list vLLM would take either: leave the placement alone
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus or None
 
 
 def install() -> None:
@@ -52,14 +38,11 @@ def install() -> None:
     cpus = workers_cpus(os.environ.get(BIND_ENV, ""))
     if cpus is None:
         return
-    cpus &= os.sched_getaffinity(0)
-    if not cpus:
-        logger.warning("engine core not bound: none of the cores in %s=%s is available to it", BIND_ENV, os.environ.get(BIND_ENV))
+    try:
+        # Not limited to the mask inherited from the replica: the workers' cores are the point.
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        logger.warning("engine core not bound to %s=%s: %s", BIND_ENV, os.environ.get(BIND_ENV), exc)
         return
-    # Every thread the process has so far; threads started later inherit the placement.
-    for task in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(task), cpus)
-        except OSError:  # a thread that ended meanwhile
-            pass
+    bind_process(cpus)
     logger.info("engine core %d runs on its workers' cores %s", os.getpid(), sorted(cpus))

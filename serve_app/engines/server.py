@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from serve_app.cpu_placement import keep_off_engine_cores
 from serve_app.engines.backends import BACKENDS, EngineSpec
 from serve_app.engines.kv_endpoint import settle_kv_endpoint
 from serve_app.engines.pacing import StreamPacer
@@ -49,6 +50,8 @@ class EngineServer:
         # AsyncLLM binds its sockets to this event loop, so it is built here, not in a thread.
         with serve_log_file_kept():
             await self.runner.start()
+        # Only now: the engine's processes, started above, inherit this process's placement.
+        keep_off_engine_cores(set(spec.engines_cores), f"engine replica {spec.name}")
         self._tags = {"role": spec.role, "engine": spec.name}
         self._metrics = engine_metrics()
         self._gauge_task = asyncio.get_running_loop().create_task(self._report_gauges())

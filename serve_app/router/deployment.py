@@ -18,6 +18,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.config import load_config
+from serve_app.cpu_placement import keep_off_engine_cores
 from serve_app.engines.backends import engine_specs
 from serve_app.logs import quiet_cancelled_requests, to_serve_logs
 from serve_app.metrics import router_metrics
@@ -98,6 +99,8 @@ class Router:
         to_serve_logs()
         quiet_cancelled_requests()
         self.service = build_service(config, engines)
+        # Off the cores the engines' threads are bound to, where the host has others.
+        keep_off_engine_cores(set(engine_specs(self.service.config)[0].engines_cores), "router replica")
         self.service.warm_up()
         self.service.start()
         http = self.service.config.router.http

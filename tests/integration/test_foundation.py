@@ -7,6 +7,7 @@ import json
 import time
 
 import openai
+import psutil
 import pytest
 import requests
 
@@ -249,3 +250,59 @@ def test_metrics_exported_after_traffic(app, client, cluster):
         wanted += [(name, f'engine="{engine}"') for name in VLLM_ENGINE_METRICS]
         wanted.append(("ray_vllm_num_requests_running{", f'role="{role}"'))
     wait_for_metrics(cluster.metrics_port, wanted)
+
+
+def _replica_processes(app_name: str) -> dict[str, psutil.Process]:
+    found = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        for role in ("router", "prefill-0", "decode-0"):
+            if f"ServeReplica:{app_name}:{role}" in cmd:
+                found[role] = proc
+    return found
+
+
+def _thread_masks(proc) -> set[frozenset[int]]:
+    import os
+
+    masks = set()
+    for thread in proc.threads():
+        try:
+            masks.add(frozenset(os.sched_getaffinity(thread.id)))
+        except OSError:  # ended meanwhile
+            pass
+    return masks
+
+
+def _engine_core_and_worker(replica):
+    children = replica.children(recursive=True)
+    core = [c for c in children if c.name().startswith("VLLM::EngineCor")]
+    workers = [c for c in children if c.name().startswith("VLLM::Worker")]
+    assert len(core) == 1 and workers, f"engine processes of {replica.pid}: {[c.name() for c in children]}"
+    return core[0], workers[0]
+
+
+@pytest.mark.parametrize("which", ["disaggregated", "colocated"])
+def test_engine_cores_share_their_workers_cores_and_replicas_keep_off_them(which, app, baseline_app):
+    """cpu_placement.py: every thread of an engine's EngineCore runs on its worker's cores; the
+    router and engine replicas run on the cores no engine is bound to, where there are any."""
+    import os
+
+    deployed = app if which == "disaggregated" else baseline_app
+    replicas = _replica_processes(deployed.name)
+    engines = [role for role in ("prefill-0", "decode-0") if role in replicas]
+    assert "router" in replicas and engines, replicas
+    host = frozenset(os.sched_getaffinity(0))
+    if len(host) < 2:
+        pytest.skip("a host with one core cannot tell a bound process from a free one")
+    bound: set[int] = set()
+    for role in engines:
+        core, worker = _engine_core_and_worker(replicas[role])
+        cores = frozenset(os.sched_getaffinity(worker.pid))
+        assert cores < host  # the CPU backend binds each engine's worker
+        assert _thread_masks(core) == {cores}
+        bound |= cores
+    spare = host - bound
+    expected = {spare} if spare else {host}
+    for role, proc in replicas.items():
+        assert _thread_masks(proc) == expected, role

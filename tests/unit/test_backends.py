@@ -230,3 +230,13 @@ def test_mock_engines_get_no_cpu_placement_or_spin_settings():
     for spec in specs_by_name({"backend": "mock", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}).values():
         assert "VLLM_CPU_OMP_THREADS_BIND" not in spec.env
         assert not any(k.startswith("PD_SERVE_ENGINE_") for k in spec.env)
+
+
+def test_replicas_keep_off_every_engines_cores_unless_told_otherwise():
+    two = {"prefill": {"replicas": 1, "cpu_bind": ["2-3"]}, "decode": {"replicas": 2, "cpu_bind": ["0", "nobind"]}}
+    for spec in specs_by_name(two).values():
+        assert spec.engines_cores == (0, 2, 3)  # the nobind engine holds no core
+    for spec in specs_by_name({**two, "replica_cpus": "all"}).values():
+        assert spec.engines_cores == ()
+    for args in (ASCEND, {"backend": "mock"}):
+        assert all(spec.engines_cores == () for spec in specs_by_name(args).values())

@@ -1,5 +1,7 @@
-"""The engine-core placement plug-in (serve_app/engines/core_affinity.py): an EngineCore process
-of a CPU engine runs on its workers' cores, every thread of it, and nothing else moves."""
+"""Where pd-serve's processes run (serve_app/cpu_placement.py): an EngineCore process of a CPU
+engine runs on its workers' cores, every thread of it (the plug-in engines/core_affinity.py), and
+nothing else moves; the router and engine replicas keep off the engines' cores where the host has
+others."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 
 import pytest
 
-from serve_app.engines.core_affinity import workers_cpus
+from serve_app.cpu_placement import engines_cpus, spare_cpus, workers_cpus
 
 PROBE = """
 import multiprocessing, os, sys, threading, time
@@ -69,3 +71,40 @@ def test_worker_core_lists_are_read_as_vllm_reads_them():
     for chosen_by_vllm in ("auto", "nobind", "all", ""):
         assert workers_cpus(chosen_by_vllm) is None
     assert workers_cpus("0-x") is None and workers_cpus("cores") is None
+
+
+def test_replicas_use_the_cores_no_engine_is_bound_to():
+    assert spare_cpus({0}, {0, 1}) == {1}
+    assert spare_cpus({0, 2}, {0, 1, 2, 3}) == {1, 3}
+    assert spare_cpus({0, 1}, {0, 1}) is None  # engines hold every core: run anywhere
+    assert spare_cpus(set(), {0, 1}) is None  # no engine bound: nothing to keep off
+    envs = [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "2-3|4"}, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, {}]
+    assert engines_cpus(envs) == {0, 2, 3, 4}
+
+
+KEEP_OFF = """
+import os, sys, threading, time
+started = threading.Event()
+threading.Thread(target=lambda: (started.set(), time.sleep(30)), daemon=True).start()
+started.wait()
+from serve_app.cpu_placement import keep_off_engine_cores
+cpus = keep_off_engine_cores({int(c) for c in sys.argv[1].split(",") if c}, "probe")
+masks = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+print(sorted(cpus) if cpus is not None else None, sorted(masks), flush=True)
+os._exit(0)
+"""
+
+
+def keep_off(engines: str) -> tuple[str, str]:
+    done = subprocess.run([sys.executable, "-c", KEEP_OFF, engines], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    returned, _, masks = done.stdout.strip().partition(" ")
+    return returned, masks
+
+
+def test_a_replica_moves_every_thread_off_the_engines_cores(one_core):
+    host = sorted(os.sched_getaffinity(0))
+    rest = [c for c in host if c != one_core]
+    assert keep_off(str(one_core)) == (str(rest), str([tuple(rest)]))
+    assert keep_off(",".join(map(str, host))) == ("None", str([tuple(host)]))  # engines hold every core
+    assert keep_off("") == ("None", str([tuple(host)]))
