@@ -50,7 +50,7 @@ class EngineServer:
         # AsyncLLM binds its sockets to this event loop, so it is built here, not in a thread.
         with serve_log_file_kept():
             await self.runner.start()
-        # Only now: the engine's processes, started above, inherit this process's placement.
+        # Only after the engine's processes have started: they would inherit this placement.
         keep_off_engine_cores(set(spec.engines_cores), f"engine replica {spec.name}")
         self._tags = {"role": spec.role, "engine": spec.name}
         self._metrics = engine_metrics()
