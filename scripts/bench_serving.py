@@ -54,7 +54,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 VENV_BIN = Path(sys.executable).parent
 SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
-OVERRIDES: dict[str, Any] = {}  # --set KEY=JSON: app args for every pd-serve target
+OVERRIDES: dict[str, Any] = {}  # --set KEY=JSON: app args for every pd-serve target (dotted keys nest)
 # The mock engine's costs: small enough that a mock engine outpaces one router replica, so what
 # the mock targets measure is the router. Their runs are longer (MOCK_PROMPTS_FACTOR x the
 # prompts): at these speeds the vLLM workloads' prompts take well under a second.
@@ -200,12 +200,26 @@ def app_args(target: str) -> dict[str, Any]:
     if target in ("colocated", "mock-colocated"):
         args["prefill"] = {**args["prefill"], "replicas": 0}
         args["router"] = {**args["router"], "mode": "colocated"}
-    args.update(OVERRIDES)
+    for key, value in OVERRIDES.items():
+        set_arg(args, key, value)
     if target.startswith("mock"):
         # Fast enough that the router, not the engine, is what is measured.
         args["backend"] = "mock"
         args["mock"] = {"decode_step_s": MOCK_DECODE_STEP_S, "prefill_s_per_token": MOCK_PREFILL_S_PER_TOKEN}
     return args
+
+
+def set_arg(args: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set one app arg; a dotted key (``decode.env.NAME``) changes only that field of the nested
+    dicts, so overriding one setting of a group keeps the group's others (and the target's own,
+    e.g. colocated's ``prefill.replicas: 0``)."""
+    *parents, leaf = dotted.split(".")
+    node = args
+    for part in parents:
+        child = node.get(part)
+        node[part] = dict(child) if isinstance(child, dict) else {}
+        node = node[part]
+    node[leaf] = value
 
 
 def vllm_server_command(port: int) -> tuple[list[str], dict[str, str]]:
@@ -450,7 +464,7 @@ def main(argv: list[str]) -> int:
         action="append",
         default=[],
         metavar="KEY=JSON",
-        help="override an app arg for pd-serve targets (e.g. stream_items_per_s=200)",
+        help="override an app arg for pd-serve targets (e.g. stream_items_per_s=200, decode.env.NAME='\"0\"')",
     )
     parser.add_argument(
         "--repo",

@@ -57,3 +57,14 @@ def test_the_report_shows_the_median_run_and_each_repetition(bench):
     table = bench.report(results, workloads)
     assert "3000.0 (0.75x)" in table
     assert "  colocated      c=8     3000 3300 2900" in table
+
+
+def test_a_dotted_override_changes_one_nested_field_and_keeps_the_rest(bench):
+    args = {"prefill": {"replicas": 0, "num_cpus": 0.5}, "router": {"mode": "colocated"}}
+    bench.set_arg(args, "prefill.env.PD_SERVE_ENGINE_CORE_BIND", "0")
+    bench.set_arg(args, "replica_cpus", "all")
+    assert args == {
+        "prefill": {"replicas": 0, "num_cpus": 0.5, "env": {"PD_SERVE_ENGINE_CORE_BIND": "0"}},
+        "router": {"mode": "colocated"},
+        "replica_cpus": "all",
+    }
