@@ -67,7 +67,7 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
             health_check_timeout_s=spec.health_check_timeout_s,
             graceful_shutdown_timeout_s=5,
             # The router polls stats twice a second; access logs would be mostly that.
-            logging_config={"enable_access_log": False, "encoding": config.log_encoding},
+            logging_config={"enable_access_log": False, "encoding": config.log_encoding, "log_level": config.log_level},
             ray_actor_options={
                 "num_cpus": spec.num_cpus,
                 "resources": spec.resources,
@@ -79,7 +79,7 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
         name="router",
         num_replicas=router.num_replicas,
         max_ongoing_requests=router.max_ongoing_requests,
-        logging_config={"encoding": config.log_encoding},
+        logging_config={"encoding": config.log_encoding, "log_level": config.log_level},
         ray_actor_options={
             "num_cpus": router.num_cpus,
             "resources": dict(router.resources),

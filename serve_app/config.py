@@ -135,6 +135,13 @@ class AppConfig(_Strict):
     log_encoding: Literal["TEXT", "JSON"] = Field(
         "TEXT", description="every replica's log format (Serve's logging_config.encoding); JSON carries pd_* fields per line"
     )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO",
+        description=(
+            "every replica's log level (Serve's logging_config.log_level); DEBUG adds each request's first "
+            "attempt and its hand-off to the router's log, INFO logs them only for the attempts after it"
+        ),
+    )
     replica_cpus: Literal["spare", "all"] = Field(
         "spare",
         description=(

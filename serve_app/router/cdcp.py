@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.config import TimeoutsConfig
+from serve_app.logs import attempt_log_level
 from serve_app.metrics import RouterMetrics
 from serve_app.protocol import EngineRejected, EngineRequest, KVEndpoint, KVReady, PrefillResult, Role, TokenDelta
 from serve_app.router.balancer import EngineLoad
@@ -283,7 +284,8 @@ class AttemptRun:
         request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params)
         self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))
         response = self.executor.pool.handles[prefill.name].run.remote(request)
-        logger.info(
+        logger.log(
+            attempt_log_level(self.plan.number),
             "attempt %s: KV ready on %s; prefill on %s pushes transfer %s",
             self.plan.attempt_id,
             self.decode,

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
+from serve_app.logs import attempt_log_level
 from serve_app.metrics import RouterMetrics
 from serve_app.router.cdcp import AttemptExecutor, AttemptFailed, DeltaEvent, KVReadyEvent, PrefillDoneEvent
 from serve_app.router.errors import error_body
@@ -101,7 +102,8 @@ class ResponseSession:
         try:
             while not machine.finished:
                 plan = machine.start_attempt(self.choose_disaggregated())
-                logger.info(
+                logger.log(
+                    attempt_log_level(plan.number),
                     "request %s attempt %d/%d id=%s %s prompt=%d budget=%d",
                     machine.request_id,
                     plan.number,

@@ -240,3 +240,17 @@ def test_replicas_keep_off_every_engines_cores_unless_told_otherwise():
         assert spec.engines_cores == ()
     for args in (ASCEND, {"backend": "mock"}):
         assert all(spec.engines_cores == () for spec in specs_by_name(args).values())
+
+
+def test_every_replica_logs_at_the_apps_log_level_and_encoding():
+    from serve_app.app import build_app
+
+    for args, level in (({}, "INFO"), ({"log_level": "DEBUG", "log_encoding": "JSON"}, "DEBUG")):
+        app = build_app({"prefill": {"replicas": 1}, **args})
+        router = app._bound_deployment
+        configs = [router._deployment_config.logging_config] + [
+            e._bound_deployment._deployment_config.logging_config for e in router.init_args[1].values()
+        ]
+        assert len(configs) == 3
+        for config in configs:
+            assert config["log_level"] == level and config["encoding"] == args.get("log_encoding", "TEXT")

@@ -56,3 +56,24 @@ def test_pd_serve_records_go_through_the_serve_logger():
         assert [r.getMessage() for r in capture.records] == ["request cmpl-1 ended"]
     finally:
         serve_logger.removeHandler(capture)
+
+
+@pytest.mark.parametrize("serve_level", [logging.INFO, logging.DEBUG])
+def test_pd_serve_logs_at_the_level_serve_was_given(serve_level):
+    """Serve sets its logger's level from the deployment's ``logging_config.log_level`` (the app's
+    ``log_level``); pd-serve's records follow it, so DEBUG lines appear only when asked for."""
+    capture = RecordList()
+    serve_logger = logging.getLogger("ray.serve")
+    saved = serve_logger.level
+    serve_logger.addHandler(capture)
+    serve_logger.setLevel(serve_level)
+    try:
+        to_serve_logs()
+        logging.getLogger(LOGGER + ".router").debug("request %s attempt 1", "cmpl-1")
+        logging.getLogger(LOGGER + ".router").info("request %s ended", "cmpl-1")
+        expected = (["request cmpl-1 attempt 1"] if serve_level == logging.DEBUG else []) + ["request cmpl-1 ended"]
+        assert [r.getMessage() for r in capture.records] == expected
+    finally:
+        serve_logger.removeHandler(capture)
+        serve_logger.setLevel(saved)
+        to_serve_logs(logging.INFO)

@@ -4,8 +4,10 @@ request's story in the logs (fast: the in-process app on mock engines, no Ray)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 
 import pytest
 
@@ -17,20 +19,37 @@ from tests.unit.inprocess import App, recording_router_metrics
 from tests.unit.test_orchestration import args, completion
 
 
-@pytest.fixture
-def pd_log():
-    """pd-serve's log records, taken at its own logger (whatever else the suite did to Serve's
-    logging, where pd-serve's records are forwarded)."""
-    handler = RecordList(logging.INFO)
-    ours = logging.getLogger("pd_serve")
-    level = ours.level
+@contextlib.contextmanager
+def captured(level: int) -> Iterator[RecordList]:
+    """pd-serve's log records at ``level``, taken at its own logger (whatever else the suite did
+    to Serve's logging, where pd-serve's records are forwarded). The router's logger gets the
+    level too: an engine replica starting sets pd-serve's to INFO (``to_serve_logs``)."""
+    handler = RecordList(level)
+    ours, router = logging.getLogger("pd_serve"), logging.getLogger("pd_serve.router")
+    saved = ours.level, router.level
     ours.addHandler(handler)
-    ours.setLevel(logging.INFO)
+    ours.setLevel(level)
+    router.setLevel(level)
     try:
         yield handler
     finally:
         ours.removeHandler(handler)
-        ours.setLevel(level)
+        ours.setLevel(saved[0])
+        router.setLevel(saved[1])
+
+
+@pytest.fixture
+def pd_log():
+    """What an operator's log holds at the default level (INFO)."""
+    with captured(logging.INFO) as handler:
+        yield handler
+
+
+@pytest.fixture
+def pd_debug_log():
+    """Everything pd-serve logs, DEBUG included."""
+    with captured(logging.DEBUG) as handler:
+        yield handler
 
 
 def stats(inflight: int, kv_usage: float = 0.0, capacity: int = 1000) -> EngineStats:
@@ -148,9 +167,10 @@ def test_a_requests_time_is_split_into_engine_wait_and_the_routers_own(engines_w
     run_with_metrics(body, args(mock={"decode_step_s": 0.001}), tiny_tokenizer)
 
 
-def test_one_request_is_traced_across_its_attempts(engines_without_ray, tiny_tokenizer, pd_log):
-    """Filtering the log on the client's request id tells the whole story: every attempt, the
-    engines and transfers of each, the recompute, the end; and the JSON log carries the ids."""
+def test_one_request_is_traced_across_its_attempts(engines_without_ray, tiny_tokenizer, pd_debug_log):
+    """Filtering the (DEBUG) log on the client's request id tells the whole story: every attempt,
+    the engines and transfers of each, the recompute, the end; and the JSON log carries the ids."""
+    pd_log = pd_debug_log
 
     async def body(app, metrics):
         prompts = [[20 + i] * 10 for i in range(6)]
@@ -176,6 +196,35 @@ def test_one_request_is_traced_across_its_attempts(engines_without_ray, tiny_tok
 
         line = json.loads(JSONFormatter().format(handoffs[0]))
         assert line["pd_request"] == request_id and line["pd_transfer"] == handoffs[0].pd_attempt
+
+    pressure = args(router={"max_attempts": 30}, mock={"decode_step_s": 0.001, "kv_capacity_tokens": 200})
+    run_with_metrics(body, pressure, tiny_tokenizer)
+
+
+def test_at_info_a_request_logs_its_end_and_only_the_attempts_after_its_first(engines_without_ray, tiny_tokenizer, pd_log):
+    """The default level keeps the log (and the router's CPU, and every request's TTFT) to one
+    line for a request that goes through at once; a request that needed more attempts still
+    shows why and each attempt after the first, with its hand-off."""
+
+    async def body(app, metrics):
+        status, plain = await completion(app, [30] * 10, max_tokens=5)
+        assert status == 200
+        story = [r for r in pd_log.records if getattr(r, "pd_request", None) == plain["id"]]
+        assert [getattr(r, "pd_outcome", None) for r in story] == ["length"], [r.getMessage() for r in story]
+        assert story[0].pd_attempts == 1 and "decode-" in story[0].pd_engines and "prefill-0" in story[0].pd_engines
+
+        prompts = [[20 + i] * 10 for i in range(6)]
+        results = await asyncio.gather(*(completion(app, p, max_tokens=60) for p in prompts))
+        assert all(status == 200 for status, _ in results)
+        resumed = {r.pd_request for r in pd_log.records if getattr(r, "pd_outcome", None) == "recomputed"}
+        assert resumed, "no recompute under this pressure"
+        for request_id in resumed:
+            story = [r for r in pd_log.records if getattr(r, "pd_request", None) == request_id]
+            attempts = {r.pd_attempt for r in story if hasattr(r, "pd_attempt") and not hasattr(r, "pd_outcome")}
+            handoffs = {r.pd_attempt for r in story if hasattr(r, "pd_transfer")}
+            (end,) = [r for r in story if getattr(r, "pd_outcome", None) == "length"]
+            later = {f"{request_id}-{n}" for n in range(2, end.pd_attempts + 1)}
+            assert attempts == handoffs == later, [r.getMessage() for r in story]
 
     pressure = args(router={"max_attempts": 30}, mock={"decode_step_s": 0.001, "kv_capacity_tokens": 200})
     run_with_metrics(body, pressure, tiny_tokenizer)
