@@ -8,7 +8,6 @@ streams cost fewer Ray items than tokens.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +15,7 @@ from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 from serve_app.compat import CLIENT_ERRORS
-from serve_app.engines.pacing import StreamPacer
+from serve_app.engines.pacing import FinishSignal, StreamPacer
 from serve_app.engines.records import Recent, TransferRecords
 from serve_app.engines.vllm_metrics import ray_stat_logger
 from serve_app.protocol import EngineRejected, EngineRequest, EngineStats, Role, TokenDelta, TokenLogprob
@@ -27,9 +26,12 @@ logger = logging.getLogger("pd_serve.engine")
 
 class _LoadTracker:
     """Latest scheduler stats, fed by vLLM's stat-logger hook on every engine step; also collects
-    the KV connector's per-transfer records that ride along with them."""
+    the KV connector's per-transfer records that ride along with them, and tells each paced
+    stream when its request has finished (the hook runs once the step's outputs are in the
+    requests' queues, so the stream then finds its last tokens there)."""
 
     def __init__(self) -> None:
+        self.finish_signals: dict[str, FinishSignal] = {}
         self.num_running = 0
         self.num_waiting = 0
         self.kv_usage = 0.0
@@ -55,6 +57,13 @@ class _LoadTracker:
                     connector = scheduler_stats.kv_connector_stats or {}
                     tracker.transfers.add(connector.get("transfers") or {})
                     tracker.kv_counters.update(connector.get("counters") or {})
+                if iteration_stats is not None and tracker.finish_signals:
+                    for finished in iteration_stats.finished_requests:
+                        # By the id pd-serve gave it (vLLM 0.23 and 0.32); a version that named
+                        # none would leave each stream to wait out its interval.
+                        signal = tracker.finish_signals.get(getattr(finished, "request_id", None))
+                        if signal is not None:
+                            signal.set()
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -111,6 +120,7 @@ class EngineRunner:
         self._inflight[request.request_id] = len(request.prompt_token_ids) + (params.max_tokens or 0)
         record: dict[str, Any] = {"prompt_tokens": len(request.prompt_token_ids), "output_tokens": 0, "finish_reason": None}
         self.requests.put(request.request_id, record)
+        finish = self._load.finish_signals[request.request_id] = FinishSignal()
         outputs = self.llm.generate(tokens_input(request.prompt_token_ids), params, request.request_id)
         try:
             # Closing the engine's stream (however this one ends) aborts the request in vLLM.
@@ -136,16 +146,15 @@ class EngineRunner:
                     pace.sent()
                     if delta.finish_reason is not None:
                         return
-                    wait = pace.wait_s()
-                    if wait > 0:
-                        # AsyncLLM merges the steps that arrive meanwhile into the next output.
-                        await asyncio.sleep(wait)
+                    # AsyncLLM merges the steps that arrive meanwhile into the next output.
+                    await finish.hold(pace.wait_s())
                     try:
                         delta = _to_delta(await anext(outputs), num_logprobs)
                     except StopAsyncIteration:
                         return
         finally:
             self._inflight.pop(request.request_id, None)
+            self._load.finish_signals.pop(request.request_id, None)
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)

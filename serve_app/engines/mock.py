@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from serve_app.engines.pacing import StreamPacer
+from serve_app.engines.pacing import FinishSignal, StreamPacer
 from serve_app.engines.records import Recent, TransferRecords
 from serve_app.protocol import RECOMPUTED, EngineRequest, EngineStats, KVEndpoint, Role, TokenDelta, TokenLogprob
 from serve_app.sampling import sampling_fields
@@ -94,6 +94,7 @@ class _Sequence:
     transfer: tuple[str, str] | None = None  # (transfer id, secret) while waiting
     deadline: float = 0.0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    finish: FinishSignal = field(default_factory=FinishSignal)  # ends the stream's pacing wait
 
     @property
     def tokens(self) -> int:
@@ -160,9 +161,7 @@ class MockEngine:
             with self.pacer.stream() as pace:
                 while True:
                     await seq.wake.wait()
-                    wait = pace.wait_s()
-                    if wait > 0:
-                        await asyncio.sleep(wait)  # the steps meanwhile join the next delta
+                    await seq.finish.hold(pace.wait_s())  # the steps meanwhile join the next delta
                     seq.wake.clear()
                     tokens, seq.pending = seq.pending, []
                     delta = TokenDelta(token_ids=tokens, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
@@ -333,6 +332,7 @@ class MockEngine:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
         self._drop_from_batch(seq)
         seq.wake.set()
+        seq.finish.set()
 
     def _drop_from_batch(self, seq: _Sequence) -> None:
         if seq in self._running:

@@ -6,11 +6,16 @@ pd-serve's or vLLM's own work, decides throughput. So a replica spaces out its s
 keep their sum under a budget (``items_per_s``): a lone stream sends each delta the moment it is
 ready (no added latency at low load), and n concurrent streams each send at most every
 ``(n - 1) / items_per_s`` seconds, while the engine merges the steps in between into the next
-delta. The first delta of a stream (its first token) is never held.
+delta. The first delta of a stream (its first token) is never held, nor is its last: a stream
+waits through ``FinishSignal.hold``, which ends the moment its request finishes in the engine.
+Holding the last delta kept the client's request open for nothing (and, at a fixed number of
+clients, the next one from starting): half an interval on average, 9 ms of a 160 ms request at
+c=8, 40 ms of a 330 ms one at c=32.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,3 +54,38 @@ class Pace:
     def wait_s(self) -> float:
         """How long to let the engine accumulate before taking the next delta."""
         return max(0.0, self._last + self._pacer.interval() - time.monotonic())
+
+
+class FinishSignal:
+    """Set by the engine's output path when the stream's request finishes, so the stream's
+    pacing wait ends then and the last delta goes out at once."""
+
+    __slots__ = ("finished", "_waiter")
+
+    def __init__(self) -> None:
+        self.finished = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self.finished = True
+        if self._waiter is not None:
+            _resolve(self._waiter)
+
+    async def hold(self, seconds: float) -> None:
+        """Wait up to ``seconds`` (the engine merges its steps meanwhile), less if the request
+        finishes. One future and one timer, as ``asyncio.sleep`` takes."""
+        if seconds <= 0 or self.finished:
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(seconds, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -200,3 +200,19 @@ def test_sampling_params_are_still_a_msgspec_struct_in_vllm_0_23():
             assert any("msgspec.Struct" in b or b == "Struct" or "PydanticMsgspecMixin" in b for b in bases), bases
             return
     raise AssertionError("SamplingParams not found")
+
+
+def test_finished_request_stats_name_the_request_in_vllm_0_23():
+    """A paced stream's wait ends when vLLM's per-step stats name its request as finished
+    (engines/engine.py, ``_LoadTracker``): by the id pd-serve gave it, on vLLM 0.23 too."""
+    stats = source_of("vllm.v1.metrics.stats")
+    assert stats is not None
+    for node in ast.parse(stats).body:
+        if isinstance(node, ast.ClassDef) and node.name == "FinishedRequestStats":
+            fields = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            assert "request_id" in fields, fields
+            break
+    else:
+        raise AssertionError("FinishedRequestStats not found")
+    processor = source_of("vllm.v1.engine.output_processor")
+    assert processor is not None and "request_id=req_state.external_req_id" in processor

@@ -1,0 +1,88 @@
+"""Paced streams (engines/pacing.py): a stream waits between items, but never past the moment its
+request finishes in the engine; the signal that ends the wait comes from vLLM's own per-step
+stats (the real types, no engine) and, in the mock engine, from its step loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from vllm import SamplingParams
+from vllm.v1.engine import FinishReason
+from vllm.v1.metrics.stats import IterationStats, RequestStateStats
+
+from serve_app.engines.engine import _LoadTracker
+from serve_app.engines.mock import MockCosts, MockEngine
+from serve_app.engines.pacing import FinishSignal, StreamPacer
+from serve_app.protocol import EngineRequest
+from serve_app.sampling import encode_sampling
+
+
+def test_a_hold_lasts_its_time_unless_the_request_finishes():
+    async def main() -> None:
+        signal = FinishSignal()
+        started = time.monotonic()
+        await signal.hold(0.05)
+        assert time.monotonic() - started >= 0.05
+
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, signal.set)
+        started = time.monotonic()
+        await signal.hold(30)
+        assert time.monotonic() - started < 10
+        await asyncio.wait_for(signal.hold(30), 1)  # finished already: no wait at all
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_hold_leaves_nothing_behind():
+    async def main() -> None:
+        signal = FinishSignal()
+        task = asyncio.ensure_future(signal.hold(30))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert signal._waiter is None
+        signal.set()  # nothing waits: a no-op
+
+    asyncio.run(main())
+
+
+def test_vllms_step_stats_end_the_finished_requests_hold():
+    """The tracker is vLLM's stat logger: the step that finishes a request names it in
+    ``iteration_stats.finished_requests`` (vLLM's own types here), and that request's signal is
+    set; other requests' are not."""
+    tracker = _LoadTracker()
+    done, running = FinishSignal(), FinishSignal()
+    tracker.finish_signals.update({"req-done": done, "req-running": running})
+    stats = IterationStats()
+    stats.update_from_finished_request(FinishReason.LENGTH, "req-done", 8, 4, RequestStateStats())
+    tracker.logger_factory()(None).record(None, stats)
+    assert done.finished and not running.finished
+    tracker.logger_factory()(None).record(None, None)  # a step without iteration stats
+
+
+def test_the_mock_engine_sends_a_paced_streams_last_delta_when_it_finishes():
+    """Four streams at one item per second may each send every 3 s; a request that finishes in
+    the meantime still ends at once, with the steps since its last item merged into one delta."""
+
+    async def main() -> None:
+        engine = MockEngine("decode-0", "decode", MockCosts(0.0, 0.001, 100_000, 8), None, recompute=True, pacer=StreamPacer(1.0))
+        await engine.start()
+        try:
+            params = encode_sampling(SamplingParams(max_tokens=20, temperature=0.0, detokenize=False, ignore_eos=True))
+
+            async def one(i: int) -> tuple[float, list[int]]:
+                started = time.monotonic()
+                sizes = [len(d.token_ids) async for d in engine.generate(EngineRequest(f"r{i}", [5, 6, 7 + i], params, None))]
+                return time.monotonic() - started, sizes
+
+            results = await asyncio.gather(*(one(i) for i in range(4)))
+            for seconds, sizes in results:
+                assert sum(sizes) == 20 and len(sizes) < 10, sizes  # paced: steps merged
+                assert seconds < 1.5, (seconds, sizes)  # not held for the 3 s interval
+            assert engine.stats().inflight == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
