@@ -12,10 +12,14 @@ vLLM's logger records the scheduler's gauges and counters on every engine step, 
 metric calls each time: on the 2-core development host the logger took about a fifth of a decode
 replica's CPU at c=8 (some 130 µs a step), more than half of it in that part. Ray exports metrics
 every few seconds, so the scheduler's state goes to the logger at most every
-``SCHEDULER_STATS_INTERVAL_S`` (``SchedulerStatsThrottle``), its prefix-cache counts summed over
-the steps in between; every step's iteration stats (tokens, TTFT, inter-token latency, finished
-requests) still go to it. Measured with py-spy on a decode replica at c=8: the logger's share of
-the output handler's time went from about a half to about a quarter.
+``SCHEDULER_STATS_INTERVAL_S`` (``SchedulerStatsThrottle``), its prefix-cache counts (the local
+cache's and, on an engine with a KV connector, the connector's) summed over the steps in between;
+every step's iteration stats (tokens, TTFT, inter-token latency, finished requests) still go to
+it. Measured with py-spy on a decode replica at c=8: the logger's share of the output handler's
+time went from about a half to about a quarter. An engine with a KV connector (every
+disaggregated one) carries the connector's prefix-cache stats in every step's scheduler stats,
+mostly zeros; counted as per-step news they passed every step on, and the logger took two thirds
+of a disaggregated decode replica's output handler (py-spy, c=8) until they were summed too.
 """
 
 from __future__ import annotations
@@ -29,38 +33,58 @@ SCHEDULER_STATS_INTERVAL_S = 0.25
 
 class SchedulerStatsThrottle:
     """Passes one step's ``SchedulerStats`` on at most every ``interval_s``; the prefix-cache
-    queries and hits of the steps held back are added to the next one passed on, so the counters
-    built from them lose nothing. A step whose stats carry anything else that is counted per step
-    (connector or spec-decode stats, cache evictions) is always passed on."""
+    stats of the steps held back (the local cache's and the KV connector's) are added to the next
+    one passed on, so the counters built from them lose nothing. A step whose stats carry anything
+    else that is counted per step (connector transfers, spec-decode stats, cache evictions) is
+    always passed on."""
 
     def __init__(self, interval_s: float = SCHEDULER_STATS_INTERVAL_S) -> None:
         self.interval_s = interval_s
         self._next_at = 0.0
-        self._queries = 0
-        self._hits = 0
+        self._held: dict[str, Any] = {}  # field name -> prefix-cache stats summed since the last pass
 
     def filter(self, stats: Any, now: float | None = None) -> Any:
         if stats is None:
             return None
         now = time.monotonic() if now is None else now
         if now < self._next_at and not _counted_per_step(stats):
-            self._queries += stats.prefix_cache_stats.queries
-            self._hits += stats.prefix_cache_stats.hits
+            for name in CACHE_STATS_FIELDS:
+                value = getattr(stats, name, None)
+                if value is not None:
+                    self._held[name] = _sum_cache_stats(self._held.get(name), value)
             return None
         self._next_at = now + self.interval_s
-        if self._queries or self._hits:
-            cache = stats.prefix_cache_stats
-            cache = dataclasses.replace(cache, queries=cache.queries + self._queries, hits=cache.hits + self._hits)
-            stats = dataclasses.replace(stats, prefix_cache_stats=cache)  # a copy: other loggers share it
-            self._queries = self._hits = 0
+        held, self._held = self._held, {}
+        merged = {name: _sum_cache_stats(value, getattr(stats, name, None)) for name, value in held.items()}
+        if merged:
+            stats = dataclasses.replace(stats, **merged)  # a copy: other loggers share this step's
         return stats
+
+
+# The prefix-cache stats a step's SchedulerStats carries: counts of that step alone.
+CACHE_STATS_FIELDS = ("prefix_cache_stats", "connector_prefix_cache_stats")
+
+
+def _sum_cache_stats(total: Any, step: Any) -> Any:
+    """A new ``PrefixCacheStats`` with both steps' counts (either may be None)."""
+    if total is None or step is None:
+        return step if total is None else total
+    counts = {
+        f.name: getattr(total, f.name) + getattr(step, f.name)
+        for f in dataclasses.fields(step)
+        if f.name != "reset" and isinstance(getattr(step, f.name), int) and not isinstance(getattr(step, f.name), bool)
+    }
+    by_source = dict(getattr(total, "hits_by_source", None) or {})
+    for source, hits in (getattr(step, "hits_by_source", None) or {}).items():
+        by_source[source] = by_source.get(source, 0) + hits
+    extra = {"hits_by_source": by_source} if hasattr(step, "hits_by_source") else {}
+    return dataclasses.replace(step, reset=bool(total.reset or step.reset), **counts, **extra)
 
 
 def _counted_per_step(stats: Any) -> bool:
     return any(
         getattr(stats, name, None)
         for name in (
-            "connector_prefix_cache_stats",
             "spec_decoding_stats",
             "kv_connector_stats",
             "ec_connector_stats",

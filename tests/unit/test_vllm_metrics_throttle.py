@@ -3,6 +3,7 @@ fewer gauge updates, no lost counts."""
 
 from __future__ import annotations
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 
 from serve_app.engines.vllm_metrics import SchedulerStatsThrottle
@@ -41,6 +42,40 @@ def test_a_step_with_per_step_connector_stats_always_goes_on():
     assert throttle.filter(step(1), now=0.1) is None
     with_transfers = step(1, kv_connector_stats={"transfers": {"t-1": {"outcome": "done"}}})
     assert throttle.filter(with_transfers, now=0.2) is not None
+
+
+def connector_step(running: int, queries: int = 0, hits: int = 0) -> SchedulerStats:
+    """A step of an engine with a KV connector: vLLM's scheduler then sends the connector's
+    prefix-cache stats with every step, zeros when no request asked it for tokens."""
+    stats = PrefixCacheStats()
+    if queries:
+        stats.record(num_tokens=queries, num_hits=hits, preempted=False, hits_by_source={CacheHitSource.EXTERNAL_UNSPECIFIED: hits})
+    return step(running, connector_prefix_cache_stats=stats)
+
+
+def test_an_engine_with_a_kv_connector_is_throttled_too_and_its_connector_counts_add_up():
+    throttle = SchedulerStatsThrottle(interval_s=1.0)
+    passed = [throttle.filter(connector_step(n, queries=8 if n % 3 == 0 else 0, hits=n % 3 == 0 and 4), now=0.1 * n) for n in range(25)]
+    kept = [s for s in passed if s is not None]
+    assert [s.num_running_reqs for s in kept] == [0, 10, 20]
+    asked = [n for n in range(21) if n % 3 == 0]  # steps 0..20 whose requests asked the connector
+    assert sum(s.connector_prefix_cache_stats.queries for s in kept) == 8 * len(asked)
+    assert sum(s.connector_prefix_cache_stats.hits for s in kept) == 4 * len(asked)
+    assert sum(s.connector_prefix_cache_stats.requests for s in kept) == len(asked)
+    by_source = [s.connector_prefix_cache_stats.hits_by_source.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0) for s in kept]
+    assert sum(by_source) == 4 * len(asked)
+
+
+def test_held_back_connector_counts_leave_the_shared_step_alone():
+    throttle = SchedulerStatsThrottle(interval_s=1.0)
+    throttle.filter(connector_step(1), now=0.0)
+    throttle.filter(connector_step(1, queries=8, hits=8), now=0.5)
+    shared = connector_step(2, queries=16, hits=0)
+    passed = throttle.filter(shared, now=1.5)
+    assert (passed.connector_prefix_cache_stats.queries, passed.connector_prefix_cache_stats.hits) == (24, 8)
+    assert passed.connector_prefix_cache_stats.requests == 2
+    assert (shared.connector_prefix_cache_stats.queries, shared.connector_prefix_cache_stats.hits) == (16, 0)
+    assert shared.connector_prefix_cache_stats.requests == 1
 
 
 def test_no_scheduler_stats_is_passed_through():
