@@ -67,10 +67,8 @@ class DecodeConfig(EngineGroupConfig):
 class TimeoutsConfig(_Strict):
     """Deadlines the router enforces; each expiry aborts the engine requests it holds."""
 
-    kv_ready_s: float = Field(
-        30.0, gt=0, description="attempt start -> KVReady (the decode engine's callback, checked by the prefill replica)"
-    )
-    prefill_s: float = Field(60.0, gt=0, description="KVReady -> prefill done")
+    kv_ready_s: float = Field(30.0, gt=0, description="decode admit -> KVReady (metaserver callback)")
+    prefill_s: float = Field(60.0, gt=0, description="prefill call -> prefill done")
     first_token_s: float = Field(120.0, gt=0, description="attempt start -> first token")
     request_s: float = Field(600.0, gt=0, description="whole client request")
 

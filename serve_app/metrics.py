@@ -64,7 +64,7 @@ def router_metrics() -> RouterMetrics:
         errors=Counter("pd_errors", "errors by kind", tag_keys=("kind",)),
         ttft=Histogram("pd_ttft_seconds", "time to first token", boundaries=LATENCY_BUCKETS, tag_keys=("route",)),
         tpot=Histogram("pd_tpot_seconds", "time per output token after the first", boundaries=TPOT_BUCKETS, tag_keys=("route",)),
-        kv_ready=Histogram("pd_kv_ready_seconds", "attempt start -> KVReady", boundaries=LATENCY_BUCKETS),
+        kv_ready=Histogram("pd_kv_ready_seconds", "decode admit -> KVReady", boundaries=LATENCY_BUCKETS),
         prefill=Histogram("pd_prefill_seconds", "prefill call -> prefill done", boundaries=LATENCY_BUCKETS),
         recompute=Counter("pd_recompute", "attempts ended by a decode engine's recompute"),
         attempts=Histogram("pd_attempts_per_request", "attempts per finished request", boundaries=ATTEMPT_BUCKETS),

@@ -44,19 +44,10 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class KVReady:
-    """First event of a disaggregated attempt's prefill stream: the decode engine allocated KV
-    blocks, its connector posted its KV parameters (``params``) to the prefill replica's
-    metaserver relay, they name the decode engine the router chose, and the prefill has started."""
+    """First event of a disaggregated decode stream: the decode engine allocated KV blocks and its
+    connector posted its KV parameters (``params``) to the metaserver relay."""
 
     params: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class KVRefused:
-    """The KV parameters posted for this attempt do not name the decode engine the router chose
-    (``reason`` says how): the prefill replica pushed nothing."""
-
-    reason: str
 
 
 @dataclass
@@ -96,8 +87,7 @@ class EngineRejected:
     message: str
 
 
-EngineEvent = TokenDelta | EngineRejected
-PrefillEvent = KVReady | KVRefused | PrefillResult
+EngineEvent = KVReady | TokenDelta | EngineRejected
 
 
 @dataclass(frozen=True)
@@ -107,18 +97,6 @@ class KVEndpoint:
     engine_id: str
     host: str
     port: int
-
-
-@dataclass(frozen=True)
-class KVWait:
-    """How a prefill replica waits for a disaggregated attempt's KV parameters: at its relay,
-    under ``token`` (the router put ``<relay_url>/<token>`` in the decode engine's request as its
-    metaserver callback), and they must name ``decode_endpoint`` (the side channel the decode
-    engine the router chose reported) in the fields ``checks`` lists."""
-
-    token: str
-    decode_endpoint: KVEndpoint | None
-    checks: tuple[str, ...]
 
 
 @dataclass
@@ -134,8 +112,6 @@ class EngineStats:
     inflight: int = 0
     healthy: bool = True
     kv_endpoint: KVEndpoint | None = None
-    # A prefill engine's metaserver relay (``<relay_url>/<token>`` is an attempt's callback URL).
-    relay_url: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -57,7 +57,7 @@ class Backend:
     # one is busy (it posts its real port with every KVReady). Mooncake derives several ports
     # from kv_port, so the Ascend backend fails the start instead, naming the port's holder.
     kv_port_fallback: bool = False
-    # The fields of a KVReady the prefill replica checks against the decode engine the router chose.
+    # The fields of a KVReady the router checks against the decode engine it chose.
     kv_ready_checks: tuple[str, ...] = ("engine_id", "port")
     # Whether prefill engines listen on their KV port too (Mooncake's handshake does; the CPU
     # connector's prefill only connects out).
@@ -294,7 +294,7 @@ def _kv_transfer_config(config: AppConfig, backend: Backend, role: Role, kv_port
         "kv_connector": backend.kv_connector,
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_port": kv_port,
-        # The engine's name: every KVReady is checked for it (vllm-ascend appends a suffix).
+        # The engine's name: the router checks it in every KVReady (vllm-ascend appends a suffix).
         "engine_id": engine_id,
         "kv_connector_extra_config": extra,
     }

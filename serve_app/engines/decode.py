@@ -1,23 +1,61 @@
-"""The decode deployment: streams an attempt's tokens. For a disaggregated attempt the router's
-KV parameters name the prefill replica's relay as the metaserver callback: the decode engine's
-connector posts its blocks there once it has allocated them, and waits for their KV."""
+"""The decode deployment: streams an attempt's tokens and, for a disaggregated attempt, first
+the ``KVReady`` its connector's metaserver callback produced."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
 from ray import serve
 
+from serve_app.engines.backends import EngineSpec
+from serve_app.engines.metaserver import MetaserverRelay, with_relay
 from serve_app.engines.server import EngineServer
-from serve_app.protocol import EngineEvent, EngineRequest
+from serve_app.protocol import EngineEvent, EngineRequest, KVReady
 
 
 @serve.deployment
 class Decode(EngineServer):
+    async def __init__(self, spec: EngineSpec) -> None:
+        await super().__init__(spec)
+        self.relay = MetaserverRelay()
+        await self.relay.start()
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
-        # Closing the stream (the router cancels the attempt) closes the engine's: it aborts the
-        # request and frees its blocks.
-        async with contextlib.aclosing(self.runner.generate(request)) as events:
-            async for event in events:
-                yield event
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            async for delta in self.runner.generate(request):
+                yield delta
+            return
+        kv_ready, callback_url = self.relay.expect(request.request_id)
+        request.kv_transfer_params = with_relay(params, callback_url)
+        stream = self.runner.generate(request)
+        next_delta: asyncio.Future = asyncio.ensure_future(anext(stream))
+        try:
+            # KVReady comes first, unless the engine needed no KV (whole prompt cached locally)
+            # or failed: then its output comes first and no callback will.
+            await asyncio.wait({kv_ready, next_delta}, return_when=asyncio.FIRST_COMPLETED)
+            if kv_ready.done() and not kv_ready.cancelled():
+                yield KVReady(kv_ready.result())
+            while True:
+                try:
+                    delta = await next_delta
+                except StopAsyncIteration:
+                    return
+                yield delta
+                next_delta = asyncio.ensure_future(anext(stream))
+        finally:
+            self.relay.forget(request.request_id)
+            if not next_delta.done():
+                # Cancelling the engine stream aborts the request and frees its blocks.
+                next_delta.cancel()
+            with contextlib.suppress(BaseException):
+                await next_delta  # retrieve its outcome, so no error is left unobserved
+            await stream.aclose()
+
+    def __del__(self) -> None:
+        relay = getattr(self, "relay", None)
+        if relay is not None:
+            relay.close()
+        super().__del__()

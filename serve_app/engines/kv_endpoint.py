@@ -4,7 +4,7 @@ The config gives each engine a port (``kv_port_base + 16 i``), but only the repl
 has placed it, knows its node's address and whether that port is free: an engine left over
 from an unclean stop, or anything else on the host, may hold it. On the CPU backend a busy port
 is replaced by a free one (the decode engine posts its real port with every KVReady, and the
-prefill replica checks it against what the engine reports); on Ascend, where Mooncake derives several
+router checks it against what the engine reports); on Ascend, where Mooncake derives several
 ports from it, the start fails with an error naming the port and its holder.
 """
 

@@ -1,20 +1,17 @@
-"""The prefill replica's metaserver relay.
+"""The decode replica's metaserver relay.
 
 A decode engine's KV connector (ours on the CPU, vllm-ascend's MooncakeLayerwiseConnector on
 NPUs) reports the blocks it allocated for a request by POSTing its KV parameters to
-``kv_transfer_params["metaserver"]``. vllm-ascend's proxies receive that callback themselves and
-then send the prompt to a prefill engine; here the router picks the prefill engine when it
-starts the attempt, and the callback goes straight to that prefill replica's relay, which starts
-the prefill as soon as it lands (``Prefill.run_on_kv_ready``). Routing the callback through the
-decode replica and the router instead cost two more hops before every prefill (traced on the
-2-core development host: about 2.6 ms at c=1, 11 ms at c=8).
+``kv_transfer_params["metaserver"]``. vllm-ascend's proxies receive that callback themselves; here
+each decode replica receives it on a loopback HTTP endpoint of its own and turns it into the first
+event (``KVReady``) of that request's decode stream. So the router replica that holds the stream
+gets the parameters through the stream, whatever the number of router replicas, and no router
+needs an address the engines can reach.
 
-Each attempt gets its own callback URL, ``<relay>/<token>`` with a random token the router draws,
-and a POST is answered only at that URL and only with that attempt's id. A callback may land
-before the router's call has registered its token (the decode engine can be quicker than the
-prefill replica's call): it is held, a bounded number for a bounded time, for the registration to
-pick up. Anything else on the host that can reach the relay's port still cannot answer for an
-attempt it was not told about, so it cannot redirect a prefill engine's KV push elsewhere.
+Each waiting request gets its own callback URL, ``<relay>/<token>`` with a random token, and a
+POST is accepted only at that URL and only with that request's id. Anything else on the host
+that can reach the relay's port still cannot answer for a request it was not told about, so it
+cannot redirect a prefill engine's KV push elsewhere.
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +32,14 @@ from serve_app.http_server import InReplicaServer, listening_socket
 logger = logging.getLogger("pd_serve.engine")
 
 PATH = "/v1/metaserver"
-# Callbacks that came before their attempt registered: how many, and for how long, are held.
-EARLY_LIMIT = 256
-EARLY_TTL_S = 10.0
-# Tokens whose attempt is over, remembered so that their late callbacks are refused (404).
-ENDED_MEMORY = 4096
+
+
+def with_relay(kv_transfer_params: dict[str, Any], callback_url: str) -> dict[str, Any]:
+    """The decode engine's kv_transfer_params: the router's decode-first parameters
+    (``do_remote_prefill=True, do_remote_decode=False, request_id``) plus this request's relay
+    URL as ``metaserver``, which is all either connector (ours, or vllm-ascend's
+    MooncakeLayerwiseConnector) needs to call back once it has allocated blocks."""
+    return {**kv_transfer_params, "metaserver": callback_url}
 
 
 @dataclass(frozen=True)
@@ -56,9 +54,6 @@ class MetaserverRelay:
         self.url = ""
         self._waiting: dict[str, _Waiting] = {}  # token -> the request it answers for
         self._tokens: dict[str, str] = {}  # request id -> token
-        self._early: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()  # token -> (when, body)
-        self._ended: OrderedDict[str, None] = OrderedDict()
-        self.early_callbacks = 0  # callbacks that came before their attempt registered
         self._server: InReplicaServer | None = None
 
     async def start(self) -> None:
@@ -67,34 +62,20 @@ class MetaserverRelay:
         self.url = f"http://{self.host}:{self._server.address[1]}{PATH}"
         logger.info("metaserver relay at %s", self.url)
 
-    def expect(self, request_id: str, token: str | None = None) -> tuple[asyncio.Future[dict[str, Any]], str]:
-        """(the future of the callback's body, the URL the callback must go to). ``token`` is the
-        one the router drew for the attempt (a fresh one when None); a callback already held for
-        it resolves the future at once."""
-        token = token or secrets.token_urlsafe(24)
-        if request_id in self._tokens or token in self._waiting or token in self._ended:
-            raise ValueError(f"request {request_id} is already waiting for its KV parameters, or its token is taken")
+    def expect(self, request_id: str) -> tuple[asyncio.Future[dict[str, Any]], str]:
+        """(the future of the callback's body, the URL the callback must go to). Register before
+        the request reaches the engine, so the callback always finds it."""
+        if request_id in self._tokens:
+            raise ValueError(f"request {request_id} is already waiting for its KV parameters")
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        waiting = _Waiting(request_id, future)
-        self._waiting[token] = waiting
+        token = secrets.token_urlsafe(24)
+        self._waiting[token] = _Waiting(request_id, future)
         self._tokens[request_id] = token
-        early = self._early.pop(token, None)
-        if early is not None:
-            body = early[1]
-            if str(body.get("request_id")) == request_id:
-                future.set_result(body)
-            else:
-                logger.warning("a callback held for %s named another request; dropped", request_id)
         return future, f"{self.url}/{token}"
 
     def forget(self, request_id: str) -> None:
         token = self._tokens.pop(request_id, None)
-        if token is None:
-            return
-        self._ended[token] = None
-        while len(self._ended) > ENDED_MEMORY:
-            self._ended.popitem(last=False)
-        waiting = self._waiting.pop(token, None)
+        waiting = self._waiting.pop(token, None) if token is not None else None
         if waiting is not None and not waiting.future.done():
             waiting.future.cancel()
 
@@ -102,44 +83,20 @@ class MetaserverRelay:
     def pending(self) -> int:
         return len(self._waiting)
 
-    @property
-    def held(self) -> int:
-        """Callbacks waiting for their attempt to register (each ends within EARLY_TTL_S)."""
-        self._expire_early(time.monotonic())
-        return len(self._early)
-
     async def _receive(self, request: Request) -> JSONResponse:
-        token = request.path_params["token"]
-        waiting = self._waiting.get(token)
-        if token in self._ended or (waiting is not None and waiting.future.done()):
-            # The attempt is over (aborted, timed out) or already answered: nobody waits here.
+        waiting = self._waiting.get(request.path_params["token"])
+        if waiting is None or waiting.future.done():
+            # Unknown token, or the attempt is over (aborted, timed out): nobody waits here.
             return JSONResponse({"error": "no request is waiting at this URL"}, status_code=404)
         try:
             body = await request.json()
             request_id = str(body["request_id"])
         except Exception:
             return JSONResponse({"error": "body must be JSON with a request_id"}, status_code=400)
-        waiting = self._waiting.get(token)  # the attempt may have registered meanwhile
-        if waiting is None:
-            self._hold(token, body)
-            return JSONResponse({"status": "ok"})
         if request_id != waiting.request_id:
             return JSONResponse({"error": f"this URL answers for another request than {request_id}"}, status_code=403)
-        if not waiting.future.done():
-            waiting.future.set_result(body)
+        waiting.future.set_result(body)
         return JSONResponse({"status": "ok"})
-
-    def _hold(self, token: str, body: dict[str, Any]) -> None:
-        self.early_callbacks += 1
-        now = time.monotonic()
-        self._expire_early(now)
-        self._early[token] = (now, body)
-        while len(self._early) > EARLY_LIMIT:
-            self._early.popitem(last=False)
-
-    def _expire_early(self, now: float) -> None:
-        while self._early and next(iter(self._early.values()))[0] < now - EARLY_TTL_S:
-            self._early.popitem(last=False)
 
     def close(self) -> None:
         """Ask the server to exit (from sync code too, e.g. a replica's ``__del__``)."""

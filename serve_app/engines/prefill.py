@@ -1,21 +1,11 @@
-"""The prefill deployment: computes a prompt's KV for a disaggregated attempt, as soon as the
-decode engine's KV callback reaches its relay."""
+"""The prefill deployment: computes a prompt's KV for a disaggregated attempt."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
-from collections.abc import AsyncIterator
-
 from ray import serve
 
-from serve_app.engines.backends import EngineSpec
-from serve_app.engines.kv_endpoint import side_channel_host
-from serve_app.engines.metaserver import MetaserverRelay
 from serve_app.engines.server import EngineServer
-from serve_app.handoff import kv_ready_mismatch, prefill_kv_params
-from serve_app.protocol import EngineRejected, EngineRequest, EngineStats, KVReady, KVRefused, KVWait, PrefillEvent, PrefillResult
+from serve_app.protocol import EngineRejected, EngineRequest, PrefillResult
 
 # How long ``run`` waits for its connector's record of the push once the prompt is computed. The
 # record rides with the engine stats of the very step that finished the prompt, so it is normally
@@ -29,44 +19,6 @@ class PrefillFailed(RuntimeError):
 
 @serve.deployment
 class Prefill(EngineServer):
-    async def __init__(self, spec: EngineSpec) -> None:
-        await super().__init__(spec)
-        # Where decode engines' connectors post their KV parameters: on loopback while the
-        # cluster is one node, on the node's address once engines may sit on others.
-        self.relay = MetaserverRelay(side_channel_host())
-        await self.relay.start()
-
-    async def stats(self) -> EngineStats:
-        stats = await super().stats()
-        stats.relay_url = self.relay.url
-        return stats
-
-    async def run_on_kv_ready(self, request: EngineRequest, wait: KVWait) -> AsyncIterator[PrefillEvent]:
-        """One disaggregated attempt's prefill, called by the router as it calls the decode
-        engine: wait at the relay for the decode engine's KV parameters, check that they name
-        the decode engine the router chose, start the prefill (``run``) with them, then report
-        ``KVReady`` and, once the prompt is computed and pushed, the ``PrefillResult``. Parameters
-        that name another engine end the stream with ``KVRefused``, nothing pushed. Cancelling the
-        stream (the attempt is over) aborts the prefill and forgets the wait."""
-        kv_params, _ = self.relay.expect(request.request_id, wait.token)
-        task: asyncio.Future[PrefillResult] | None = None
-        try:
-            params = await kv_params
-            problem = kv_ready_mismatch(params, wait.decode_endpoint, wait.checks)
-            if problem is not None:
-                yield KVRefused(problem)
-                return
-            task = asyncio.ensure_future(self.run(dataclasses.replace(request, kv_transfer_params=prefill_kv_params(params))))
-            # The router learns the hand-off happened; the transfer's secret stays with the engines.
-            yield KVReady({k: v for k, v in params.items() if k != "transfer_secret"})
-            yield await task
-        finally:
-            self.relay.forget(request.request_id)
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-
     async def run(self, request: EngineRequest) -> PrefillResult:
         """Run the prompt with ``max_tokens=1``. The connector pushes each layer's KV to the decode
         engine named in ``kv_transfer_params`` as it is computed; the one token sampled here is
@@ -108,9 +60,3 @@ class Prefill(EngineServer):
         last = record.get("last_layer_sent_at") or record.get("forward_done_at")
         if first is not None and last is not None:
             self._metrics.push_time.observe(max(0.0, float(last) - float(first)), tags=tags)
-
-    def __del__(self) -> None:
-        relay = getattr(self, "relay", None)
-        if relay is not None:
-            relay.close()
-        super().__del__()

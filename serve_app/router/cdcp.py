@@ -1,20 +1,18 @@
 """One attempt of the decode-first (CDCP) schedule, executed through Serve handles.
 
 Disaggregated (docs/design.md, "One attempt, decode first"):
-  1. pick a decode engine and a prefill engine; draw a token for the attempt's callback URL on
-     the prefill replica's metaserver relay;
-  2. call both at once: the prefill replica waits at its relay (``run_on_kv_ready``), the decode
-     engine gets ``do_remote_prefill`` with that URL as its metaserver;
-  3. the decode engine allocates blocks for the prompt and its connector posts their ids to the
-     relay; the prefill replica checks that the parameters name the decode engine the router
-     chose (engine id, KV host and port, as that engine reported them), so nothing else can
-     redirect the push, starts the prefill and reports ``KVReady``; it pushes the KV layer by
-     layer and reports its ``PrefillResult``;
-  4. the decode stream carries tokens, sampled by the decode engine itself.
-Colocated: the decode call without ``do_remote_prefill``, then tokens.
+  1. pick a decode engine and open its stream with ``do_remote_prefill``; its replica fills in
+     the metaserver URL of its own relay;
+  2. the stream's first event is ``KVReady(params)``: the decode engine holds blocks for the
+     prompt and its connector posted their ids. The router checks that the parameters name the
+     engine it chose (engine id, KV host and port), so nothing else can redirect the push;
+  3. pick a prefill engine and call ``run`` with those parameters (only the keys a prefill
+     connector reads); it pushes the KV layer by layer;
+  4. the decode stream continues with tokens, sampled by the decode engine itself.
+Colocated: step 1 without ``do_remote_prefill``, then tokens.
 
 Every wait has a deadline, and leaving the attempt by any path (finish, retry, failure, timeout,
-client disconnect) cancels the decode stream and the prefill stream, which aborts their engine
+client disconnect) cancels the decode stream and the prefill call, which aborts their engine
 requests and frees their KV blocks, and gives back the router's load leases.
 """
 
@@ -24,7 +22,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Collection
 from contextlib import ExitStack
@@ -34,7 +31,7 @@ from typing import Any
 from serve_app.config import TimeoutsConfig
 from serve_app.logs import attempt_log_level
 from serve_app.metrics import RouterMetrics
-from serve_app.protocol import EngineRejected, EngineRequest, KVReady, KVRefused, KVWait, PrefillResult, Role, TokenDelta
+from serve_app.protocol import EngineRejected, EngineRequest, KVEndpoint, KVReady, PrefillResult, Role, TokenDelta
 from serve_app.router.balancer import EngineLoad
 from serve_app.router.pool import EnginePool
 from serve_app.router.recompute import AttemptPlan, Phase
@@ -43,6 +40,27 @@ from serve_app.sampling import encode_sampling
 logger = logging.getLogger("pd_serve.router")
 
 ENGINE_WAIT_POLL_S = 0.2
+
+# The KVReady keys a prefill engine's connector reads (vllm-ascend's MooncakeLayerwiseConnector
+# and ours); anything else a callback carried stays with the router.
+PREFILL_KV_KEYS = frozenset(
+    {
+        "token_ids",
+        "request_id",
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_block_ids",
+        "remote_block_size",
+        "remote_engine_id",
+        "remote_host",
+        "remote_port",
+        "remote_tp_size",
+        "remote_pcp_size",
+        "remote_dcp_size",
+        "remote_cached_tokens",
+        "transfer_secret",
+    }
+)
 
 # What the attempt waits for in each phase, for the timeout message.
 WAITING_FOR = {
@@ -89,6 +107,20 @@ def engine_gone(exc: BaseException) -> bool:
     return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
 
 
+def kv_ready_mismatch(params: dict[str, Any], endpoint: KVEndpoint | None, checks: Collection[str]) -> str | None:
+    """Why a KVReady does not come from the decode engine it should (None when it does)."""
+    if endpoint is None:
+        return "the decode engine has not reported its KV endpoint yet"
+    engine_id = str(params.get("remote_engine_id", ""))
+    if "engine_id" in checks and engine_id != endpoint.engine_id and not engine_id.startswith(endpoint.engine_id + "-"):
+        return f"remote_engine_id {engine_id!r} is not {endpoint.engine_id!r}"
+    if "host" in checks and params.get("remote_host") != endpoint.host:
+        return f"remote_host {params.get('remote_host')!r} is not {endpoint.host!r}"
+    if "port" in checks and str(params.get("remote_port")) != str(endpoint.port):
+        return f"remote_port {params.get('remote_port')!r} is not {endpoint.port}"
+    return None
+
+
 class AttemptExecutor:
     def __init__(
         self,
@@ -100,7 +132,7 @@ class AttemptExecutor:
         self.pool = pool
         self.timeouts = timeouts
         self.metrics = metrics
-        self.kv_ready_checks = tuple(kv_ready_checks)
+        self.kv_ready_checks = frozenset(kv_ready_checks)
 
     async def run(self, plan: AttemptPlan, params_template: Any, request_deadline: float | None = None) -> AsyncIterator[AttemptEvent]:
         """The attempt's events, ending with its last token or an ``AttemptFailed``. Past
@@ -109,57 +141,24 @@ class AttemptExecutor:
         if decode is None:
             yield AttemptFailed("no decode engine is available", retryable=False, status=503, kind="no_engine")
             return
-        prefill = None
-        relay_url = None
-        if plan.disaggregated:
-            prefill = await self.pick("prefill", plan.avoid)
-            if prefill is None:
-                yield AttemptFailed("no prefill engine is available", True, None, 503, "no_engine")
-                return
-            relay_url = self.pool.relay_url(prefill.name)
-            if relay_url is None:
-                yield AttemptFailed(f"prefill engine {prefill.name} has not reported its relay yet", True, prefill.name, 503, "no_engine")
-                return
         params = params_template.clone()
         params.max_tokens = plan.max_tokens
         params.min_tokens = plan.min_tokens
         encoded = encode_sampling(params)
         kv_params = None
-        prefill_stream = None
-        attempt: AttemptRun | None = None
-        prefill_lease = ExitStack()  # given back as soon as the prefill's part is over
-        try:
-            if prefill is not None:
-                # The callback URL's token is drawn here and travels only over Ray, to the two
-                # engines of this attempt.
-                token = secrets.token_urlsafe(24)
-                kv_params = {
-                    "do_remote_prefill": True,
-                    "do_remote_decode": False,
-                    "request_id": plan.attempt_id,
-                    "metaserver": f"{relay_url}/{token}",
-                }
-                wait = KVWait(token, self.pool.kv_endpoint(decode.name), self.kv_ready_checks)
-                prefill_request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, prefill_sampling_params(), None)
-                prefill_lease.enter_context(self.pool.lease(prefill.name, len(plan.prompt_token_ids)))
-                # Called first: its wait is usually registered before the callback comes.
-                prefill_stream = self.pool.stream_handles[prefill.name].run_on_kv_ready.remote(prefill_request, wait)
-            request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, encoded, kv_params)
-            with self.pool.lease(decode.name, len(plan.prompt_token_ids) + plan.max_tokens):
-                stream = self.pool.stream_handles[decode.name].generate.remote(request)
-                attempt = AttemptRun(
-                    self, plan, decode.name, stream, request_deadline, prefill.name if prefill else None, prefill_stream, prefill_lease
-                )
-                try:
-                    async for event in attempt.events():
-                        yield event
-                finally:
-                    await attempt.close()
-        finally:
-            prefill_lease.close()
-            if attempt is None and prefill_stream is not None:
-                with contextlib.suppress(Exception):
-                    prefill_stream.cancel()
+        if plan.disaggregated:
+            # The decode replica adds the URL of its own metaserver relay.
+            kv_params = {"do_remote_prefill": True, "do_remote_decode": False, "request_id": plan.attempt_id}
+        request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, encoded, kv_params)
+        reserved = len(plan.prompt_token_ids) + plan.max_tokens
+        with self.pool.lease(decode.name, reserved):
+            stream = self.pool.stream_handles[decode.name].generate.remote(request)
+            attempt = AttemptRun(self, plan, decode.name, stream, request_deadline)
+            try:
+                async for event in attempt.events():
+                    yield event
+            finally:
+                await attempt.close()
 
     async def pick(self, role: Role, avoid: frozenset[str]) -> EngineLoad | None:
         """An engine of ``role``; while none is healthy (restarting), wait up to kv_ready_s."""
@@ -173,31 +172,20 @@ class AttemptExecutor:
 
 
 class AttemptRun:
-    """The moving parts of one attempt: the decode stream, the prefill stream, the deadlines."""
+    """The moving parts of one attempt: the decode stream, the prefill call, the deadlines."""
 
     def __init__(
-        self,
-        executor: AttemptExecutor,
-        plan: AttemptPlan,
-        decode: str,
-        stream: Any,
-        request_deadline: float | None = None,
-        prefill: str | None = None,
-        prefill_stream: Any = None,
-        prefill_lease: ExitStack | None = None,
+        self, executor: AttemptExecutor, plan: AttemptPlan, decode: str, stream: Any, request_deadline: float | None = None
     ) -> None:
         self.executor = executor
         self.request_deadline = request_deadline
         self.plan = plan
         self.decode = decode
         self.stream = stream
-        self.prefill = prefill
-        self.prefill_stream = prefill_stream
-        # The prefill engine's lease, given back once its part is over (its prompt is no longer
-        # queued there); the decode lease lasts the attempt (the caller's).
-        self.prefill_lease = prefill_lease if prefill_lease is not None else ExitStack()
+        self.prefill_lease = ExitStack()
+        self.prefill: str | None = None
+        self.prefill_task: asyncio.Task | None = None
         self.next_item: asyncio.Future | None = None
-        self.next_prefill: asyncio.Future | None = None
         self.started = time.monotonic()
         self.prefill_started = 0.0
         self.phase = Phase.AWAITING_KV if plan.disaggregated else Phase.DECODING
@@ -207,25 +195,20 @@ class AttemptRun:
     def _next(self) -> None:
         self.next_item = asyncio.ensure_future(self.stream.__anext__())
 
-    def _next_prefill(self) -> None:
-        self.next_prefill = asyncio.ensure_future(self.prefill_stream.__anext__())
-
     async def events(self) -> AsyncIterator[AttemptEvent]:
         self._next()
-        if self.prefill_stream is not None:
-            self._next_prefill()
         while True:
             waiting: set[asyncio.Future] = {self.next_item}  # type: ignore[arg-type]
-            if self.next_prefill is not None:
-                waiting.add(self.next_prefill)
+            if self.prefill_task is not None:
+                waiting.add(self.prefill_task)
             deadlines = [d for d in (self.deadline, self.request_deadline) if d is not None]
             timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 yield self._timed_out()
                 return
-            if self.next_prefill is not None and self.next_prefill in done:
-                event = self._prefill_item()
+            if self.prefill_task is not None and self.prefill_task in done:
+                event = self._prefill_outcome()
                 yield event
                 if isinstance(event, AttemptFailed):
                     return
@@ -242,65 +225,20 @@ class AttemptRun:
         engine = self.prefill if self.phase is Phase.PREFILLING else self.decode
         return AttemptFailed(f"timed out waiting for {WAITING_FOR[self.phase]}", True, engine, 504, "timeout")
 
-    def _prefill_item(self) -> AttemptEvent:
-        """The prefill stream's next event: its KVReady, its result, or how it failed."""
-        future, self.next_prefill = self.next_prefill, None
-        assert future is not None and self.prefill is not None
-        try:
-            item = future.result()
-        except StopAsyncIteration:
-            return AttemptFailed(f"prefill engine {self.prefill} ended its stream without a result", True, self.prefill, 502, "prefill")
-        except Exception as exc:
+    def _prefill_outcome(self) -> AttemptEvent:
+        task, self.prefill_task = self.prefill_task, None
+        assert task is not None and self.prefill is not None
+        exc = task.exception()
+        if exc is not None:
             if engine_gone(exc):
                 self.executor.pool.mark_unhealthy(self.prefill)
             return AttemptFailed(f"prefill engine {self.prefill} failed: {exc}", True, self.prefill, 502, "prefill")
-        if isinstance(item, KVRefused):
-            logger.warning("attempt %s: KVReady rejected: %s", self.plan.attempt_id, item.reason)
-            return AttemptFailed(
-                f"decode engine {self.decode} sent a KVReady for another engine: {item.reason}", True, self.decode, 502, "kv_ready_mismatch"
-            )
-        if isinstance(item, KVReady):
-            self.prefill_started = time.monotonic()
-            self.executor.metrics.kv_ready.observe(self.prefill_started - self.started)
-            self.phase = Phase.PREFILLING
-            self.deadline = self.prefill_started + self.executor.timeouts.prefill_s
-            logger.log(
-                attempt_log_level(self.plan.number),
-                "attempt %s: KV ready on %s; prefill on %s pushes transfer %s",
-                self.plan.attempt_id,
-                self.decode,
-                self.prefill,
-                item.params.get("request_id"),
-                extra={
-                    "pd_request": self.plan.request_id,
-                    "pd_attempt": self.plan.attempt_id,
-                    "pd_decode": self.decode,
-                    "pd_prefill": self.prefill,
-                    "pd_transfer": item.params.get("request_id"),
-                },
-            )
-            self._next_prefill()
-            return KVReadyEvent(item.params, self.decode)
-        assert isinstance(item, PrefillResult), item
         self.executor.metrics.prefill.observe(time.monotonic() - self.prefill_started)
-        self._drop_prefill()
+        self.prefill_lease.close()  # its prompt is no longer queued on that engine
         if self.phase is Phase.PREFILLING:
             self.phase = Phase.DECODING
             self.deadline = time.monotonic() + self.executor.timeouts.first_token_s
-        return PrefillDoneEvent(self.prefill, item)
-
-    def _drop_prefill(self) -> None:
-        """The prefill's part is over: give back its lease; end its stream if still open."""
-        self.prefill_lease.close()
-        if self.next_prefill is not None:
-            if self.next_prefill.done() and not self.next_prefill.cancelled():
-                self.next_prefill.exception()  # retrieved: the attempt no longer cares how it ended
-            self.next_prefill.cancel()
-            self.next_prefill = None
-        if self.prefill_stream is not None:
-            with contextlib.suppress(Exception):
-                self.prefill_stream.cancel()
-            self.prefill_stream = None
+        return PrefillDoneEvent(self.prefill, task.result())
 
     async def _decode_item(self) -> AsyncIterator[AttemptEvent]:
         assert self.next_item is not None
@@ -314,29 +252,74 @@ class AttemptRun:
                 self.executor.pool.mark_unhealthy(self.decode)
             yield AttemptFailed(f"decode engine {self.decode} failed: {exc}", True, self.decode, 502, "decode")
             return
-        if isinstance(item, EngineRejected):
+        if isinstance(item, KVReady):
+            self.executor.metrics.kv_ready.observe(time.monotonic() - self.started)
+            problem = kv_ready_mismatch(item.params, self.executor.pool.kv_endpoint(self.decode), self.executor.kv_ready_checks)
+            if problem is not None:
+                logger.warning("attempt %s: KVReady rejected: %s", self.plan.attempt_id, problem)
+                yield AttemptFailed(
+                    f"decode engine {self.decode} sent a KVReady for another engine: {problem}", True, self.decode, 502, "kv_ready_mismatch"
+                )
+                return
+            yield KVReadyEvent(item.params, self.decode)
+            prefill = await self.executor.pick("prefill", self.plan.avoid)
+            if prefill is None:
+                yield AttemptFailed("no prefill engine is available", True, None, 503, "no_engine")
+                return
+            self._start_prefill(prefill, item.params)
+        elif isinstance(item, EngineRejected):
             yield AttemptFailed(item.message, False, self.decode, 400, "rejected")
         elif isinstance(item, TokenDelta):
-            if self.phase is Phase.AWAITING_KV:
-                # Tokens before any KVReady: the decode engine had the whole prompt cached and
-                # asked for no KV, so no callback will come; the prefill replica stops waiting.
-                self._drop_prefill()
             yield DeltaEvent(item, self.decode)
             # Tokens flow; from here only the request's own deadline applies.
             if self.phase is not Phase.PREFILLING:
                 self.phase, self.deadline = Phase.DECODING, None
 
+    def _start_prefill(self, prefill: EngineLoad, kv_params: dict[str, Any]) -> None:
+        self.prefill = prefill.name
+        self.prefill_started = time.monotonic()
+        self.phase = Phase.PREFILLING
+        self.deadline = self.prefill_started + self.executor.timeouts.prefill_s
+        params = {k: v for k, v in kv_params.items() if k in PREFILL_KV_KEYS}
+        request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params)
+        self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))
+        response = self.executor.pool.handles[prefill.name].run.remote(request)
+        logger.log(
+            attempt_log_level(self.plan.number),
+            "attempt %s: KV ready on %s; prefill on %s pushes transfer %s",
+            self.plan.attempt_id,
+            self.decode,
+            prefill.name,
+            kv_params.get("request_id"),
+            extra={
+                "pd_request": self.plan.request_id,
+                "pd_attempt": self.plan.attempt_id,
+                "pd_decode": self.decode,
+                "pd_prefill": prefill.name,
+                "pd_transfer": kv_params.get("request_id"),
+            },
+        )
+
+        async def call() -> Any:
+            try:
+                return await response
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
+
+        self.prefill_task = asyncio.ensure_future(call())
+
     async def close(self) -> None:
         """Cancel whatever is still running; the engines abort and free those requests. Every
         cancelled wait is awaited, so no exception is left unretrieved (and logged) by asyncio."""
-        pending = [f for f in (self.next_item, self.next_prefill) if f is not None and not f.done()]
+        pending = [f for f in (self.next_item, self.prefill_task) if f is not None and not f.done()]
         for future in pending:
             future.cancel()
-        for future in (self.next_item, self.next_prefill):
+        for future in (self.next_item, self.prefill_task):
             if future is not None:
                 with contextlib.suppress(BaseException):
                     await future
-        self._drop_prefill()
+        self.prefill_lease.close()
         try:
             self.stream.cancel()
         except Exception:  # already finished

@@ -59,11 +59,6 @@ class EnginePool:
         reported = self.reported.get(name)
         return reported.kv_endpoint if reported is not None else None
 
-    def relay_url(self, name: str) -> str | None:
-        """Where a prefill engine last said its metaserver relay is."""
-        reported = self.reported.get(name)
-        return reported.relay_url if reported is not None else None
-
     def mark_unhealthy(self, name: str) -> None:
         """Stop choosing an engine that just failed a call, until its stats answer again."""
         self.loads[name].healthy = False

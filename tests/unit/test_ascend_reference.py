@@ -22,7 +22,7 @@ import tomllib
 
 from serve_app.config import load_config
 from serve_app.engines.backends import ASCEND, engine_specs
-from serve_app.handoff import PREFILL_KV_KEYS
+from serve_app.router.cdcp import PREFILL_KV_KEYS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SDIST = REPO_ROOT / ".cache" / "reference" / "vllm_ascend-0.23.0.post1.tar.gz"

@@ -180,9 +180,16 @@ def test_cpu_decode_engines_use_the_recompute_scheduler():
     assert "scheduler_cls" not in off["decode-0"].engine_kwargs
 
 
-def test_decode_is_the_kv_consumer_on_either_backend():
-    """Ascend parity: the same decode deployment serves both backends, and what reaches either
-    engine is vllm-ascend's decode-first request (test_orchestration checks the router builds it)."""
+def test_decode_hands_either_connector_the_relay_as_metaserver():
+    """Ascend parity: the same decode deployment serves both backends. What reaches the engine is
+    vllm-ascend's decode-first request (its layerwise proxy sends do_remote_prefill=True,
+    do_remote_decode=False and a metaserver URL), with the replica's own relay as that URL."""
+    from serve_app.engines.metaserver import with_relay
+
+    router_params = {"do_remote_prefill": True, "do_remote_decode": False, "request_id": "cmpl-1-1"}
+    params = with_relay(router_params, "http://127.0.0.1:5555/v1/metaserver")
+    assert params == {**router_params, "metaserver": "http://127.0.0.1:5555/v1/metaserver"}
+    assert router_params.get("metaserver") is None  # the router's dict is left alone
     for backend in ("cpu", "ascend"):
         decode = specs_by_name({"backend": backend})["decode-0"].engine_kwargs["kv_transfer_config"]
         assert decode["kv_role"] == "kv_consumer"

@@ -1,4 +1,4 @@
-"""The prefill replica's metaserver relay, over real loopback HTTP (plain asyncio.run, no plugin)."""
+"""The decode replica's metaserver relay, over real loopback HTTP (plain asyncio.run, no plugin)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import urllib.request
 
 import pytest
 
-from serve_app.engines import metaserver
-from serve_app.engines.metaserver import PATH, MetaserverRelay
+from serve_app.engines.metaserver import PATH, MetaserverRelay, with_relay
 
 TIMEOUT_S = 5.0
 
@@ -92,11 +91,9 @@ def test_each_request_has_its_own_url_and_no_other_is_answered():
         other, other_url = relay.expect("att-2")
         assert url != other_url
         # The relay's base URL, a guessed token, or another request's URL: nothing is resolved.
-        status, _ = await asyncio.to_thread(post_json, relay.url, KV_PARAMS)
-        assert status in (404, 405)
-        for guessed in (relay.url + "/guess", relay.url + "/" + "x" * 32):
-            status, _ = await asyncio.to_thread(post_json, guessed, KV_PARAMS)
-            assert status == 200  # held for an attempt that may register that token later; none will
+        for wrong in (relay.url, relay.url + "/guess", relay.url + "/" + "x" * 32):
+            status, _ = await asyncio.to_thread(post_json, wrong, KV_PARAMS)
+            assert status in (404, 405)
         status, reply = await asyncio.to_thread(post_json, other_url, KV_PARAMS)  # att-1's body at att-2's URL
         assert status == 403
         assert not mine.done() and not other.done()
@@ -158,8 +155,8 @@ def test_stop_ends_the_server():
     async def main():
         relay = MetaserverRelay()
         await relay.start()
-        status, _ = await asyncio.to_thread(post_json, relay.url, KV_PARAMS)
-        assert status in (404, 405)  # it serves
+        status, _ = await asyncio.to_thread(post_json, relay.url + "/t", KV_PARAMS)
+        assert status == 404  # it serves
         await relay.stop()
         assert relay._server is not None and relay._server._task.done()
         with pytest.raises(urllib.error.URLError):
@@ -172,65 +169,8 @@ def test_stop_before_start_is_a_no_op():
     asyncio.run(MetaserverRelay().stop())
 
 
-def test_the_router_draws_the_token():
-    async def body(relay: MetaserverRelay):
-        future, url = relay.expect("att-1", token="tok-1")
-        assert url == relay.url + "/tok-1"
-        status, _ = await asyncio.to_thread(post_json, url, KV_PARAMS)
-        assert status == 200 and await future == KV_PARAMS
-        with pytest.raises(ValueError):
-            relay.expect("att-9", token="tok-1")  # a token answers for one attempt only
-
-    run(body)
-
-
-def test_a_callback_before_its_attempt_registered_is_held_and_picked_up():
-    """The decode engine can post before the router's call reached the prefill replica."""
-
-    async def body(relay: MetaserverRelay):
-        status, _ = await asyncio.to_thread(post_json, relay.url + "/tok-1", KV_PARAMS)
-        assert status == 200 and relay.held == 1 and relay.early_callbacks == 1
-        future, _ = relay.expect("att-1", token="tok-1")
-        assert future.done() and future.result() == KV_PARAMS
-        assert relay.held == 0
-
-    run(body)
-
-
-def test_a_held_callback_for_another_request_resolves_nothing():
-    async def body(relay: MetaserverRelay):
-        await asyncio.to_thread(post_json, relay.url + "/tok-1", {**KV_PARAMS, "request_id": "att-2"})
-        future, _ = relay.expect("att-1", token="tok-1")
-        assert not future.done() and relay.held == 0
-
-    run(body)
-
-
-def test_held_callbacks_are_bounded_in_number_and_time(monkeypatch):
-    monkeypatch.setattr(metaserver, "EARLY_LIMIT", 2)
-    monkeypatch.setattr(metaserver, "EARLY_TTL_S", 0.3)
-
-    async def body(relay: MetaserverRelay):
-        for token in ("a", "b", "c"):
-            await asyncio.to_thread(post_json, f"{relay.url}/{token}", {**KV_PARAMS, "request_id": token})
-        assert relay.held == 2
-        oldest, _ = relay.expect("a", token="a")
-        assert not oldest.done()  # the oldest was dropped to keep the bound
-        await asyncio.sleep(0.4)
-        assert relay.held == 0
-        late, _ = relay.expect("c", token="c")
-        assert not late.done()  # expired
-
-    run(body)
-
-
-def test_a_callback_after_its_attempt_ended_is_refused_not_held():
-    async def body(relay: MetaserverRelay):
-        _, url = relay.expect("att-1", token="tok-1")
-        relay.forget("att-1")
-        status, _ = await asyncio.to_thread(post_json, url, KV_PARAMS)
-        assert status == 404 and relay.held == 0
-        with pytest.raises(ValueError):
-            relay.expect("att-2", token="tok-1")  # an ended attempt's token is not reused
-
-    run(body)
+def test_with_relay_adds_metaserver():
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "request_id": "att-1"}
+    out = with_relay(params, "http://127.0.0.1:1/v1/metaserver")
+    assert out == {**params, "metaserver": "http://127.0.0.1:1/v1/metaserver"}
+    assert "metaserver" not in params

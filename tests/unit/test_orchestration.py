@@ -96,7 +96,7 @@ def test_a_completion_through_every_hop(engines_without_ray, tiny_tokenizer, mod
         assert events[-2]["usage"]["completion_tokens"] == 12
         if mode == "disaggregated":
             decode_calls = [f.calls for n, f in app.faults.items() if n.startswith("prefill")]
-            assert any("run_on_kv_ready" in calls for calls in decode_calls)
+            assert any("run" in calls for calls in decode_calls)
 
     run(body, args(router={"mode": mode}), tiny_tokenizer)
 
@@ -212,7 +212,7 @@ def test_a_client_disconnect_in_each_phase_releases_everything(engines_without_r
         task = asyncio.ensure_future(client())
         if phase == "awaiting_kv":
             await wait_until(
-                lambda: leased(app, "decode") and any(e.relay.pending for n, e in app.engines.items() if n.startswith("prefill"))
+                lambda: leased(app, "decode") and any(e.relay.pending for n, e in app.engines.items() if n.startswith("decode"))
             )
         elif phase == "prefilling":
             await wait_until(lambda: leased(app, "prefill"))
@@ -245,7 +245,7 @@ def test_a_dead_prefill_engine_falls_back_to_colocated(engines_without_ray, tiny
         assert not app.service.pool.loads["prefill-0"].healthy
         status, data = await completion(app, PROMPT + [1])  # no healthy prefill: served colocated
         assert status == 200
-        assert app.faults["prefill-0"].calls.count("run_on_kv_ready") == 1
+        assert app.faults["prefill-0"].calls.count("run") == 1
 
     run(body, args(), tiny_tokenizer)
 
@@ -277,7 +277,7 @@ def test_a_decode_engine_lost_mid_stream_is_resumed_token_exact(engines_without_
         if fault == "dead":
             victim.dead = True
         else:
-            setattr(victim, fault, 3)  # a few deltas, then gone
+            setattr(victim, fault, 3)  # KVReady, then a couple of deltas, then gone
         status, events = await completion(app, PROMPT, max_tokens=40, stream=True)
         assert status == 200 and tokens_of(events) == expected(PROMPT, 40)
         assert len({e["id"] for e in events if isinstance(e, dict)}) == 1
@@ -336,59 +336,6 @@ def test_kv_ready_racing_the_first_token(engines_without_ray, tiny_tokenizer):
     run(body, args(), tiny_tokenizer)
 
 
-def test_the_decode_engine_is_told_to_call_the_chosen_prefill_replica_back(engines_without_ray, tiny_tokenizer):
-    """vllm-ascend's decode-first request (do_remote_prefill=True, do_remote_decode=False, a
-    metaserver URL) with the chosen prefill replica's relay as the callback, under a token the
-    prefill replica is told to wait for, with the decode engine's side channel to check against."""
-
-    async def body(app: App) -> None:
-        seen: dict = {}
-        prefill = app.engines["prefill-0"]
-        real_wait = prefill.run_on_kv_ready
-
-        def spy_wait(request, wait):
-            seen["wait"] = wait
-            return real_wait(request, wait)
-
-        prefill.run_on_kv_ready = spy_wait
-        for name, engine in app.engines.items():
-            if name.startswith("decode"):
-                real_generate = engine.generate
-
-                def spy_generate(request, real_generate=real_generate, name=name):
-                    seen["decode"], seen["params"] = name, dict(request.kv_transfer_params)
-                    return real_generate(request)
-
-                engine.generate = spy_generate
-        status, data = await completion(app, PROMPT)
-        assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 8)
-        wait, params = seen["wait"], seen["params"]
-        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-        assert params["metaserver"] == f"{prefill.relay.url}/{wait.token}" and len(wait.token) >= 32
-        assert wait.decode_endpoint == app.engines[seen["decode"]].kv_endpoint
-        assert set(wait.checks) == {"engine_id", "host", "port"}
-
-    run(body, args(), tiny_tokenizer)
-
-
-def test_a_callback_that_beats_the_prefill_call_is_held_for_it(engines_without_ray, tiny_tokenizer):
-    async def body(app: App) -> None:
-        prefill = app.engines["prefill-0"]
-        real_wait = prefill.run_on_kv_ready
-
-        async def late_wait(request, wait):
-            await asyncio.sleep(0.2)  # the decode engine posts meanwhile
-            async for event in real_wait(request, wait):
-                yield event
-
-        prefill.run_on_kv_ready = late_wait
-        status, data = await completion(app, PROMPT)
-        assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 8)
-        assert prefill.relay.early_callbacks == 1 and prefill.relay.held == 0
-
-    run(body, args(), tiny_tokenizer)
-
-
 def test_tokens_without_kv_ready_when_decode_needs_no_transfer(engines_without_ray, tiny_tokenizer):
     async def body(app: App) -> None:
         for name, engine in app.engines.items():
@@ -398,20 +345,9 @@ def test_tokens_without_kv_ready_when_decode_needs_no_transfer(engines_without_r
                     seq.cached_tokens = len(seq.prompt)
 
                 engine.runner._await_kv = cached
-        # From the first token on, the prefill replica's wait and the router's prefill lease are
-        # over, not at the attempt's end.
-        stream = app.service.generate({"prompt": PROMPT, "max_tokens": 200})
-        first = await anext(stream)
-        assert "choices" in first
-        assert app.service.pool.loads["prefill-0"].inflight == 0
-        await wait_until(lambda: app.engines["prefill-0"].relay.pending == 0, timeout_s=1.0)  # its stream is cancelled
-        await stream.aclose()
         status, data = await completion(app, PROMPT)
         assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 8)
-        # The prefill replica was asked to wait for a callback that never came.
-        assert app.faults["prefill-0"].calls.count("run_on_kv_ready") == 2
-        assert len(app.engines["prefill-0"].runner.requests) == 0  # its engine never ran the prompt
-        assert app.engines["prefill-0"].relay.pending == 0
+        assert "run" not in app.faults["prefill-0"].calls
 
     run(body, args(), tiny_tokenizer)
 
