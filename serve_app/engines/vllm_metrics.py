@@ -66,19 +66,21 @@ CACHE_STATS_FIELDS = ("prefix_cache_stats", "connector_prefix_cache_stats")
 
 
 def _sum_cache_stats(total: Any, step: Any) -> Any:
-    """A new ``PrefixCacheStats`` with both steps' counts (either may be None)."""
+    """A new ``PrefixCacheStats`` with both steps' counts (either may be None): counts add up,
+    per-source counts add up per source, flags (``reset``) hold if either step had them. By
+    field type, so vLLM versions with other fields (0.23 has no ``hits_by_source``) work too."""
     if total is None or step is None:
         return step if total is None else total
-    counts = {
-        f.name: getattr(total, f.name) + getattr(step, f.name)
-        for f in dataclasses.fields(step)
-        if f.name != "reset" and isinstance(getattr(step, f.name), int) and not isinstance(getattr(step, f.name), bool)
-    }
-    by_source = dict(getattr(total, "hits_by_source", None) or {})
-    for source, hits in (getattr(step, "hits_by_source", None) or {}).items():
-        by_source[source] = by_source.get(source, 0) + hits
-    extra = {"hits_by_source": by_source} if hasattr(step, "hits_by_source") else {}
-    return dataclasses.replace(step, reset=bool(total.reset or step.reset), **counts, **extra)
+    merged: dict[str, Any] = {}
+    for f in dataclasses.fields(step):
+        mine, theirs = getattr(total, f.name), getattr(step, f.name)
+        if isinstance(theirs, bool):
+            merged[f.name] = bool(mine or theirs)
+        elif isinstance(theirs, int):
+            merged[f.name] = mine + theirs
+        elif isinstance(theirs, dict):
+            merged[f.name] = {k: mine.get(k, 0) + theirs.get(k, 0) for k in {**mine, **theirs}}
+    return dataclasses.replace(step, **merged)
 
 
 def _counted_per_step(stats: Any) -> bool:
