@@ -7,7 +7,9 @@ writable blocks. Checked frames are queued; the worker writes them into the KV c
 thread between forwards (at a step's start, ``on_step``, and at its end, ``results``), and only
 while their request still waits, so a late frame can never touch blocks the scheduler has handed
 to another request (vLLM keeps the blocks of a request that waits for KV, aborted or not, until
-the connector reports its receive over).
+the connector reports its receive over). A receiving thread that queues a transfer's done or failed
+frame, or fails transfers, rings the engine core's doorbell (``wakeup.py``), so an idle decode
+engine runs the step that settles the transfer at once instead of at its next poll.
 
 Trust: a frame is only ever applied to the transfer it authenticates for. A frame with a wrong
 or missing secret is dropped and its connection closed without touching the transfer it names
@@ -35,6 +37,7 @@ import torch
 
 from serve_app.kv.caches import KVCaches
 from serve_app.kv.metadata import LayerwiseMetadata, RecvSpec, Settings
+from serve_app.kv.wakeup import DoorbellRinger
 from serve_app.kv.wire import (
     DoneHeader,
     FailedHeader,
@@ -150,6 +153,7 @@ class ConsumerWorker:
         self._done: set[str] = set()  # engine request ids: all frames in
         self._failed: set[str] = set()  # engine request ids: transfer failed
         self._records: dict[str, dict[str, Any]] = {}
+        self.doorbell = DoorbellRinger()  # the engine core's, once a step's metadata named it
         self.rejected_frames = 0  # frames refused: wrong secret, rules broken, over the early bounds
         self.broken_connections = 0  # connections closed because a frame broke the protocol
         self.server = FrameServer(settings.host, settings.port, self._serve, settings.max_connections)
@@ -246,6 +250,7 @@ class ConsumerWorker:
         if problem is not None:
             self.rejected_frames += 1
             self._fail(state, f"bad frame: {problem}")
+            self.doorbell.ring()
             raise WireError(f"transfer {header.transfer}: {problem}")
 
     def _overflow(self, tid: str, why: str) -> None:
@@ -265,20 +270,28 @@ class ConsumerWorker:
                 bound.add(tid)
                 self._check(state, frame.header, frame.payload_len)
                 self._queue.append((state, frame))
+                if not isinstance(frame.header, LayerHeader):
+                    # Its transfer can be settled now: the engine core need not wait for its poll.
+                    self.doorbell.ring()
             elif tid not in self._settled:
                 self._early.setdefault(tid, []).append(frame)
                 self._early_bytes += frame.size
 
     def _fail_bound(self, bound: set[str], reason: str) -> None:
+        failed = False
         with self._lock:
             for tid in bound:
                 state = self._waiting.get(tid)
                 if state is not None and state.failed is None:
                     self._fail(state, reason)
+                    failed = True
+        if failed:
+            self.doorbell.ring()
 
     # ------------------------------------------------------------------ worker thread
     def on_step(self, meta: LayerwiseMetadata) -> None:
         """At the step boundary: forget finished requests, arm new receives, write what came."""
+        self.doorbell.port = meta.wake_port
         with self._lock:
             # Drop requests finished (aborted) while waiting before writing anything. vLLM holds
             # the blocks of an aborted request that waits for KV until the connector reports its
@@ -432,3 +445,4 @@ class ConsumerWorker:
 
     def close(self) -> None:
         self.server.close()
+        self.doorbell.close()

@@ -13,7 +13,9 @@ vLLM's own connectors:
 * ``producer.ProducerWorker`` (prefill worker process): pushes each layer as it is computed;
 * ``consumer.ConsumerWorker`` (decode worker process): receives, checks and writes;
 * ``wire`` (both workers): the versioned frame format; ``metadata``: the plain values passed
-  between them.
+  between them;
+* ``wakeup`` (decode): the engine core's doorbell, rung when a transfer can be settled, so an
+  engine whose requests all wait for KV does not poll for them.
 
 The protocol of one transfer is described in docs/design.md ("The KV side channel").
 ``kv_connector_extra_config`` keys: ``recv_timeout_s`` (set by pd-serve from the router's
@@ -41,6 +43,7 @@ from serve_app.kv.consumer import ConsumerWorker
 from serve_app.kv.metadata import LayerwiseMetadata, LayerwiseStats, Settings
 from serve_app.kv.producer import ProducerWorker
 from serve_app.kv.scheduler_side import SchedulerSide
+from serve_app.kv.wakeup import Doorbell, install_core_wait
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,11 +65,22 @@ class LayerwisePushConnector(KVConnectorBase_V1):
         if settings.tp_size != 1:
             raise ValueError("LayerwisePushConnector supports tensor_parallel_size=1 (the CPU backend)")
         self.settings = settings
-        self.scheduler_side = self.scheduler_side_cls(settings) if role == KVConnectorRole.SCHEDULER else None
+        self.scheduler_side = self._make_scheduler_side(settings) if role == KVConnectorRole.SCHEDULER else None
         self.worker: ProducerWorker | ConsumerWorker | None = None
         self._reported_counters: dict[str, int] = {}
         if role == KVConnectorRole.WORKER:
             self.worker = self.producer_cls(settings) if settings.is_producer else self.consumer_cls(settings)
+
+    def _make_scheduler_side(self, settings: Settings) -> SchedulerSide:
+        doorbell = None
+        if not settings.is_producer:
+            # Decode: its engine core waits on this doorbell between forward-less steps instead
+            # of polling its worker every millisecond (kv/wakeup.py).
+            doorbell = Doorbell()
+            if not install_core_wait(doorbell):
+                doorbell.close()
+                doorbell = None
+        return self.scheduler_side_cls(settings, doorbell=doorbell)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -97,7 +111,8 @@ class LayerwisePushConnector(KVConnectorBase_V1):
         return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        return None
+        assert self.scheduler_side is not None
+        self.scheduler_side.on_connector_output(connector_output)
 
     # ---- worker side (worker process) -------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

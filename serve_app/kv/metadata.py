@@ -101,6 +101,9 @@ class LayerwiseMetadata(KVConnectorMetadata):
     # Requests finished (or aborted) since the last step: the decode worker forgets them before
     # writing anything, since the scheduler may already have handed their blocks to others.
     finished: list[str] = field(default_factory=list)
+    # Decode: the loopback port of the engine core's doorbell (kv/wakeup.py), rung by the worker
+    # when a transfer can be settled; None where there is none.
+    wake_port: int | None = None
 
 
 @dataclass

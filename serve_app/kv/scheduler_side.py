@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from serve_app.kv.metadata import LayerwiseMetadata, RecvSpec, SendSpec, Settings
+from serve_app.kv.wakeup import Doorbell
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("pd_serve.kv")
@@ -67,9 +69,15 @@ class SendPlan:
 
 
 class SchedulerSide:
-    def __init__(self, settings: Settings, post: Callable[[str, dict[str, Any]], None] = post_metaserver) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        post: Callable[[str, dict[str, Any]], None] = post_metaserver,
+        doorbell: Doorbell | None = None,
+    ) -> None:
         self.s = settings
         self._post = post
+        self.doorbell = doorbell
         self._new_recv: list[RecvSpec] = []
         self._sending: dict[str, SendPlan] = {}
         # Transfer ids armed now (engine request id -> transfer id) and recently: an id is armed
@@ -179,7 +187,11 @@ class SchedulerSide:
         )
 
     def build_connector_meta(self, so: SchedulerOutput, kv_cache_manager: Any) -> LayerwiseMetadata:
-        meta = LayerwiseMetadata(recv=self._new_recv, finished=sorted(so.finished_req_ids))
+        meta = LayerwiseMetadata(
+            recv=self._new_recv,
+            finished=sorted(so.finished_req_ids),
+            wake_port=self.doorbell.port if self.doorbell is not None else None,
+        )
         self._new_recv = []
         if self._sending:
             computed_before = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
@@ -216,6 +228,12 @@ class SchedulerSide:
             error=error,
         )
 
+    def on_connector_output(self, output: KVConnectorOutput) -> None:
+        """A step reported finished receives: the step that schedules their requests need not
+        wait out vLLM's poll interval."""
+        if self.doorbell is not None and output.finished_recving:
+            self.doorbell.ring_here()
+
     # Both ------------------------------------------------------------------------------
     def forget(self, req_id: str) -> None:
         """The request finished: its send plan and its armed transfer id are over."""
@@ -229,3 +247,5 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._poster.shutdown(wait=False)
+        if self.doorbell is not None:
+            self.doorbell.close()

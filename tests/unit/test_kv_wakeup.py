@@ -1,0 +1,231 @@
+"""The decode engine core's doorbell (serve_app/kv/wakeup.py): its wait ends when the worker
+rings or a step reported a finished receive, the worker rings when a transfer can be settled, and
+vLLM's engine core still sleeps where this was written to wait."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+import time
+import types
+
+import pytest
+
+from serve_app.kv.consumer import ConsumerWorker
+from serve_app.kv.layerwise_connector import LayerwisePushConnector
+from serve_app.kv.metadata import LayerwiseMetadata, RecvSpec
+from serve_app.kv.scheduler_side import SchedulerSide
+from serve_app.kv.wakeup import Doorbell, DoorbellRinger, _CoreTime, install_core_wait
+from tests.unit.kv_helpers import Peer, layer_data, patterned_caches, port_of, sched_output, settings
+
+LONG_S = 30.0  # a wait that only a ring ends before a test's timeout
+
+
+@pytest.fixture
+def doorbell():
+    bell = Doorbell()
+    yield bell
+    bell.close()
+
+
+def wait_in_thread(bell: Doorbell, timeout_s: float) -> tuple[threading.Thread, list[bool]]:
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.append(bell.wait(timeout_s)), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_ring_from_another_process_end_ends_the_wait(doorbell):
+    thread, result = wait_in_thread(doorbell, LONG_S)
+    time.sleep(0.05)
+    assert thread.is_alive()  # nothing rang yet
+    ringer = DoorbellRinger()
+    ringer.port = doorbell.port
+    ringer.ring()
+    thread.join(timeout=LONG_S / 3)
+    assert not thread.is_alive() and result == [True]
+    ringer.close()
+
+
+def test_rings_that_came_before_the_wait_end_it_once(doorbell):
+    ringer = DoorbellRinger()
+    ringer.port = doorbell.port
+    for _ in range(5):
+        ringer.ring()
+    time.sleep(0.05)
+    assert doorbell.wait(LONG_S) is True
+    # All five were answered by that one wait (one step settles every ready transfer).
+    assert doorbell.wait(0.01) is False
+    ringer.close()
+
+
+def test_a_step_that_reported_a_receive_skips_the_next_wait(doorbell):
+    doorbell.ring_here()
+    started = time.monotonic()
+    assert doorbell.wait(LONG_S) is True
+    assert time.monotonic() - started < LONG_S / 3
+    assert doorbell.wait(0.01) is False  # only the next one
+
+
+def test_without_a_ring_the_wait_lasts_its_interval(doorbell):
+    started = time.monotonic()
+    assert doorbell.wait(0.05) is False
+    assert time.monotonic() - started >= 0.04
+
+
+def test_a_ringer_without_a_port_and_a_closed_doorbell_are_harmless():
+    ringer = DoorbellRinger()
+    ringer.ring()  # no step has named the doorbell yet
+    bell = Doorbell()
+    ringer.port = bell.port
+    bell.close()
+    ringer.ring()  # nobody listens any more
+    ringer.close()
+
+
+def fake_core_module(source: str) -> types.ModuleType:
+    """A module built from ``source``, with its source readable the way vLLM's is."""
+    import linecache
+
+    name = f"fake_core_{abs(hash(source))}"
+    filename = f"<{name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    exec(compile(source, filename, "exec"), module.__dict__)
+    return module
+
+
+CORE_LIKE = """
+import time
+
+
+class EngineCoreProc:
+    def _process_engine_step(self):
+        outputs, model_executed = self.step_fn()
+        if not model_executed and self.scheduler.has_requests():
+            time.sleep(0.001)
+        return model_executed
+"""
+
+
+def test_the_core_wait_replaces_only_the_engine_core_modules_sleep(doorbell):
+    module = fake_core_module(CORE_LIKE)
+    assert install_core_wait(doorbell, module) is True
+    proxy = module.time
+    assert isinstance(proxy, _CoreTime)
+    assert proxy.monotonic is time.monotonic and proxy.perf_counter is time.perf_counter
+    doorbell.ring_here()
+    started = time.monotonic()
+    proxy.sleep(LONG_S)  # the doorbell's wait: rung, so it returns at once
+    assert time.monotonic() - started < LONG_S / 3
+    assert time.sleep is not proxy.sleep  # the real module is untouched
+    # A second engine-core scheduler (a restarted one) takes over the same proxy.
+    other = Doorbell()
+    assert install_core_wait(other, module) is True and module.time is proxy and proxy._doorbell is other
+    other.close()
+
+
+def test_a_module_that_is_not_the_expected_engine_core_is_left_alone(doorbell):
+    no_engine = fake_core_module("import time\n")
+    assert install_core_wait(doorbell, no_engine) is False and no_engine.time is time
+    # A second sleep elsewhere in the module: routing it to the doorbell would change more than the poll.
+    two_sleeps = fake_core_module(CORE_LIKE + "\n\ndef shutdown():\n    time.sleep(1)\n")
+    assert install_core_wait(doorbell, two_sleeps) is False and two_sleeps.time is time
+    # The poll no longer follows a forward-less step.
+    moved = fake_core_module(CORE_LIKE.replace("if not model_executed and", "if"))
+    assert install_core_wait(doorbell, moved) is False and moved.time is time
+    # Someone else replaced the module's time already.
+    other = fake_core_module(CORE_LIKE)
+    other.time = types.SimpleNamespace(sleep=time.sleep)
+    assert install_core_wait(doorbell, other) is False
+
+
+def test_vllms_engine_core_is_recognised(doorbell):
+    from vllm.v1.engine import core
+
+    from serve_app.kv.wakeup import sleeps_only_after_forwardless_steps
+
+    assert sleeps_only_after_forwardless_steps(core)
+
+
+def test_vllms_engine_core_sleeps_once_after_a_step_without_a_forward():
+    """What wakeup.py relies on: vLLM's engine-core module calls ``time.sleep`` in one place, the
+    poll after a step that ran no forward. If a vLLM upgrade moves it, this fails instead of the
+    doorbell silently waiting somewhere else."""
+    from vllm.v1.engine import core
+
+    source = inspect.getsource(core)
+    assert len(re.findall(r"\btime\.sleep\(", source)) == 1
+    step = inspect.getsource(core.EngineCoreProc._process_engine_step)
+    assert re.search(r"if not model_executed.*:\s*\n\s*time\.sleep\(", step)
+
+
+def test_the_decode_connector_installs_the_wait_and_prefill_does_not(monkeypatch):
+    installed: list[Doorbell] = []
+    monkeypatch.setattr("serve_app.kv.layerwise_connector.install_core_wait", lambda bell: installed.append(bell) or True)
+    connector = LayerwisePushConnector.__new__(LayerwisePushConnector)
+    decode = connector._make_scheduler_side(settings())
+    assert decode.doorbell is installed[0]
+    assert decode.build_connector_meta(sched_output(), None).wake_port == installed[0].port
+    prefill = connector._make_scheduler_side(settings(is_producer=True))
+    assert prefill.doorbell is None and len(installed) == 1
+    assert prefill.build_connector_meta(sched_output(), None).wake_port is None
+    decode.close()
+    prefill.close()
+
+
+def test_a_reported_receive_rings_the_engine_cores_own_doorbell(doorbell):
+    side = SchedulerSide(settings(), doorbell=doorbell)
+    side.on_connector_output(types.SimpleNamespace(finished_recving=set()))
+    assert doorbell.wait(0.01) is False
+    side.on_connector_output(types.SimpleNamespace(finished_recving={"req-1"}))
+    assert doorbell.wait(LONG_S) is True
+
+
+# ------------------------------------------------------------------ the worker rings
+@pytest.fixture
+def consumer_and_bell(doorbell):
+    worker = ConsumerWorker(settings())
+    worker.register_kv_caches(patterned_caches(seed=1))
+    yield worker, doorbell
+    worker.close()
+
+
+def arm_with_doorbell(worker: ConsumerWorker, bell: Doorbell, req_id: str, tid: str, block_ids: list[int]) -> str:
+    secret = f"secret-of-{tid}"
+    spec = RecvSpec(req_id, tid, secret, block_ids, 8, 30.0)
+    worker.on_step(LayerwiseMetadata(recv=[spec], wake_port=bell.port))
+    return secret
+
+
+def test_the_worker_rings_when_the_last_frame_of_a_transfer_comes(consumer_and_bell):
+    worker, bell = consumer_and_bell
+    secret = arm_with_doorbell(worker, bell, "req-1", "t-1", [2, 3])
+    peer = Peer(port_of(worker))
+    peer.layers("t-1", secret, [2, 3], layer_data(2, seed=4))
+    time.sleep(0.1)
+    assert bell.wait(0.01) is False  # layer frames alone settle nothing
+    peer.done("t-1", secret, frames=2)
+    assert bell.wait(LONG_S) is True
+    assert worker.results() == ({"req-1"}, set())  # and the step it wakes reports the transfer
+    peer.close()
+
+
+def test_the_worker_rings_when_a_transfer_fails(consumer_and_bell):
+    worker, bell = consumer_and_bell
+    secret = arm_with_doorbell(worker, bell, "req-1", "t-1", [2, 3])
+    peer = Peer(port_of(worker))
+    peer.failed("t-1", secret, "prefill died")
+    assert bell.wait(LONG_S) is True
+    assert worker.results() == ({"req-1"}, {"req-1"})
+    # A connection that ends with a transfer still receiving fails it and rings too.
+    secret = arm_with_doorbell(worker, bell, "req-2", "t-2", [4])
+    peer = Peer(port_of(worker))
+    peer.layer("t-2", secret, [4], layer_data(1, seed=5)["l0"])
+    time.sleep(0.1)
+    bell.wait(0.01)
+    peer.close()
+    assert bell.wait(LONG_S) is True
+    assert worker.results() == ({"req-2"}, {"req-2"})
