@@ -33,7 +33,6 @@ import logging
 import re
 import select
 import socket
-import threading
 import time
 from types import ModuleType
 from typing import Any
@@ -51,18 +50,18 @@ class Doorbell:
         self._sock.bind((LOOPBACK, 0))
         self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
-        self._rung = threading.Event()
+        self._rung = False  # set and read by the engine core's main thread only
 
     def ring_here(self) -> None:
         """From the engine core's own process: the next wait returns at once."""
-        self._rung.set()
+        self._rung = True
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a ring; True when rung. Rings that came meanwhile are
         consumed: one wait answers all of them, since one step settles every transfer that is
         ready."""
-        if self._rung.is_set():
-            self._rung.clear()
+        if self._rung:
+            self._rung = False
             self._drain()
             return True
         try:
@@ -70,7 +69,6 @@ class Doorbell:
         except (OSError, ValueError):  # closed under us: behave like vLLM's plain sleep
             time.sleep(timeout_s)
             return False
-        self._rung.clear()
         if readable:
             self._drain()
             return True

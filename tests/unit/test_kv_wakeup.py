@@ -4,8 +4,6 @@ vLLM's engine core still sleeps where this was written to wait."""
 
 from __future__ import annotations
 
-import inspect
-import re
 import threading
 import time
 import types
@@ -143,23 +141,14 @@ def test_a_module_that_is_not_the_expected_engine_core_is_left_alone(doorbell):
 
 
 def test_vllms_engine_core_is_recognised(doorbell):
-    from vllm.v1.engine import core
-
-    from serve_app.kv.wakeup import sleeps_only_after_forwardless_steps
-
-    assert sleeps_only_after_forwardless_steps(core)
-
-
-def test_vllms_engine_core_sleeps_once_after_a_step_without_a_forward():
     """What wakeup.py relies on: vLLM's engine-core module calls ``time.sleep`` in one place, the
     poll after a step that ran no forward. If a vLLM upgrade moves it, this fails instead of the
     doorbell silently waiting somewhere else."""
     from vllm.v1.engine import core
 
-    source = inspect.getsource(core)
-    assert len(re.findall(r"\btime\.sleep\(", source)) == 1
-    step = inspect.getsource(core.EngineCoreProc._process_engine_step)
-    assert re.search(r"if not model_executed.*:\s*\n\s*time\.sleep\(", step)
+    from serve_app.kv.wakeup import sleeps_only_after_forwardless_steps
+
+    assert sleeps_only_after_forwardless_steps(core)
 
 
 def test_the_decode_connector_installs_the_wait_and_prefill_does_not(monkeypatch):
