@@ -19,6 +19,7 @@ from typing import Any, Literal
 from serve_app.config import AppConfig, EngineGroupConfig
 from serve_app.cpu_placement import engines_cpus
 from serve_app.engines.core_affinity import ENV as CORE_BIND_ENV
+from serve_app.engines.gloo_device import ENV as SHARED_GLOO_DEVICE_ENV
 from serve_app.engines.pacing import DEFAULT_ITEMS_PER_S
 from serve_app.engines.spin import CORE_ENV as CORE_SPIN_ENV
 from serve_app.engines.spin import ENV as SPIN_ENV
@@ -94,6 +95,7 @@ CPU = Backend(
         WATCHDOG_ENV: "1",
         SPIN_ENV: str(ENGINE_SPIN_S),
         CORE_SPIN_ENV: str(ENGINE_CORE_SPIN_S),
+        SHARED_GLOO_DEVICE_ENV: "1",
     },
     router_env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
     pins_cpu_threads=True,

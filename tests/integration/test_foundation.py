@@ -306,3 +306,24 @@ def test_engine_cores_share_their_workers_cores_and_replicas_keep_off_them(which
     expected = {spare} if spare else {host}
     for role, proc in replicas.items():
         assert _thread_masks(proc) == expected, role
+
+
+def _thread_names(proc) -> list[str]:
+    names = []
+    for thread in proc.threads():
+        try:
+            with open(f"/proc/{proc.pid}/task/{thread.id}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # ended meanwhile
+            pass
+    return names
+
+
+def test_engine_workers_keep_one_gloo_loop_thread(app):
+    """gloo_device.py: a CPU worker's Gloo process groups share one device, so one loop thread
+    wakes every 10 ms on the worker's cores instead of one per group (13 on vLLM 0.32)."""
+    replicas = _replica_processes(app.name)
+    for role in ("prefill-0", "decode-0"):
+        _, worker = _engine_core_and_worker(replicas[role])
+        names = _thread_names(worker)
+        assert sum(name.startswith("gloo") for name in names) == 1, (role, sorted(names))
