@@ -299,6 +299,22 @@ def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return chosen
 
 
+def host_speed_ms(loops: int = 1_000_000, samples: int = 3) -> float:
+    """Milliseconds this host takes for a fixed pure-Python loop (the median of a few), timed
+    while nothing else of the benchmark runs. The development host drifts (its neighbours share
+    the physical cores): in a slow spell every process needs more time for the same work, and a
+    target started in one reads worse than the others. Timed before and after each target, so a
+    table whose targets met different spells says so."""
+    times = []
+    for _ in range(samples):
+        begin = time.perf_counter()
+        total = 0
+        for i in range(loops):
+            total += i * i
+        times.append((time.perf_counter() - begin) * 1000)
+    return statistics.median(times)
+
+
 def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path, repeat: int = 1) -> dict[str, Any]:
     from serve_app.config import load_config
 
@@ -311,7 +327,7 @@ def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path
     else:
         cmd, env = serve_command(target, port, workdir), base_env()
         health = f"http://127.0.0.1:{port}/health"
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"host_speed_ms": [host_speed_ms()]}
     print(f"== {target}: starting", file=sys.stderr)
     with started(cmd, env, workdir / f"{target}.log", health, repo):
         for workload in WARM_UP:  # not recorded: every target's first requests meet cold paths
@@ -333,6 +349,7 @@ def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path
             results[workload.name] = representative(runs)
         if target.startswith("mock"):
             results["router_added_ttft"] = router_added_ttft_in_child(port)
+    results["host_speed_ms"].append(host_speed_ms())
     return results
 
 
@@ -437,6 +454,13 @@ def report(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> str
             tokens = run["result"].get("total_output_tokens") or 0
             per_token = cpu.get("router", 0.0) / tokens * 1e6 if tokens and "router" in cpu else float("nan")
             lines.append(f"{t:<15}{w.name:<8}" + "".join(f"{cpu.get(k, 0.0):>15.2f}" for k in CPU_KINDS) + f"{per_token:>15.0f}")
+    speeds = [f"{t} {' / '.join(f'{v:.0f}' for v in results[t]['host_speed_ms'])}" for t in targets if results[t].get("host_speed_ms")]
+    if speeds:
+        lines += [
+            "",
+            "Host speed before / after each target (ms for a fixed Python loop, lower is faster; targets that met "
+            "different spells of the host are not comparable): " + ", ".join(speeds),
+        ]
     for t, what in (("mock-colocated", "the router alone"), ("mock", "the router and the decode-first handoff")):
         mock = results.get(t, {}).get("router_added_ttft")
         if mock:

@@ -59,6 +59,22 @@ def test_the_report_shows_the_median_run_and_each_repetition(bench):
     assert "  colocated      c=8     3000 3300 2900" in table
 
 
+def test_the_report_shows_the_host_speed_each_target_met(bench):
+    workloads = [bench.Workload("c=8", 8, 256, 64, 16)]
+    results = {
+        "vllm": {"c=8": bench.representative([run(4000)]), "host_speed_ms": [61.0, 63.4]},
+        "disaggregated": {"c=8": bench.representative([run(2000)]), "host_speed_ms": [95.2, 101.0]},
+    }
+    table = bench.report(results, workloads)
+    assert "vllm 61 / 63, disaggregated 95 / 101" in table
+    assert "2000.0 (0.50x)" in table  # the speed is shown beside the ratios, never folded into them
+
+
+def test_the_host_speed_probe_times_work_that_scales(bench):
+    small, large = bench.host_speed_ms(loops=20_000, samples=3), bench.host_speed_ms(loops=400_000, samples=3)
+    assert 0 < small < large
+
+
 def test_a_dotted_override_changes_one_nested_field_and_keeps_the_rest(bench):
     args = {"prefill": {"replicas": 0, "num_cpus": 0.5}, "router": {"mode": "colocated"}}
     bench.set_arg(args, "prefill.env.PD_SERVE_ENGINE_CORE_BIND", "0")
