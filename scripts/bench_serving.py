@@ -299,12 +299,19 @@ def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return chosen
 
 
-def host_speed_ms(loops: int = 1_000_000, samples: int = 3) -> float:
-    """Milliseconds this host takes for a fixed pure-Python loop (the median of a few), timed
-    while nothing else of the benchmark runs. The development host drifts (its neighbours share
-    the physical cores): in a slow spell every process needs more time for the same work, and a
-    target started in one reads worse than the others. Timed before and after each target, so a
-    table whose targets met different spells says so."""
+def host_speed() -> dict[str, float]:
+    """The idle host's speed, timed before and after each target: the development host drifts
+    (other machines share its physical cores), and a target measured in a slow spell reads worse
+    than the others, so a table whose targets met different spells should say so. Two probes:
+    a fixed pure-Python loop (ms), and a one-byte ping-pong between two processes on two
+    different cores (µs per round trip), which is what a request's many hops between processes
+    pay and what the slow spells seen here slowed most (the loop read 36-66 ms through a run in
+    which vLLM's own server served c=1 at a quarter of its usual rate; the ping-pong read
+    35-126 µs then, against 7.5 µs with both ends on one core)."""
+    return {"loop_ms": loop_ms(), "wakeup_us": cross_core_round_trip_us()}
+
+
+def loop_ms(loops: int = 1_000_000, samples: int = 3) -> float:
     times = []
     for _ in range(samples):
         begin = time.perf_counter()
@@ -312,6 +319,44 @@ def host_speed_ms(loops: int = 1_000_000, samples: int = 3) -> float:
         for i in range(loops):
             total += i * i
         times.append((time.perf_counter() - begin) * 1000)
+    return statistics.median(times)
+
+
+def cross_core_round_trip_us(rounds: int = 2000, samples: int = 5) -> float:
+    """Median µs per round trip of one byte between this process and a child on another core
+    (on one core where the host has only one)."""
+    cores = sorted(os.sched_getaffinity(0))
+    own = set(cores)
+    times = []
+    for _ in range(samples):
+        ping_r, ping_w = os.pipe()
+        pong_r, pong_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child only echoes, then leaves without running any cleanup
+            try:
+                os.close(ping_w)
+                os.close(pong_r)
+                os.sched_setaffinity(0, {cores[-1]})
+                for _ in range(rounds):
+                    os.read(ping_r, 1)
+                    os.write(pong_w, b"x")
+            finally:
+                os._exit(0)
+        os.close(ping_r)  # the child's ends: a child that ends early reads as EOF, not a hang
+        os.close(pong_w)
+        try:
+            os.sched_setaffinity(0, {cores[0]})
+            begin = time.perf_counter()
+            for _ in range(rounds):
+                os.write(ping_w, b"x")
+                if not os.read(pong_r, 1):
+                    raise RuntimeError("the echoing process ended early")
+            times.append((time.perf_counter() - begin) / rounds * 1e6)
+        finally:
+            os.sched_setaffinity(0, own)
+            os.close(ping_w)
+            os.close(pong_r)
+            os.waitpid(pid, 0)
     return statistics.median(times)
 
 
@@ -327,7 +372,7 @@ def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path
     else:
         cmd, env = serve_command(target, port, workdir), base_env()
         health = f"http://127.0.0.1:{port}/health"
-    results: dict[str, Any] = {"host_speed_ms": [host_speed_ms()]}
+    results: dict[str, Any] = {"host_speed": [host_speed()]}
     print(f"== {target}: starting", file=sys.stderr)
     with started(cmd, env, workdir / f"{target}.log", health, repo):
         for workload in WARM_UP:  # not recorded: every target's first requests meet cold paths
@@ -349,7 +394,7 @@ def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path
             results[workload.name] = representative(runs)
         if target.startswith("mock"):
             results["router_added_ttft"] = router_added_ttft_in_child(port)
-    results["host_speed_ms"].append(host_speed_ms())
+    results["host_speed"].append(host_speed())
     return results
 
 
@@ -454,12 +499,19 @@ def report(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> str
             tokens = run["result"].get("total_output_tokens") or 0
             per_token = cpu.get("router", 0.0) / tokens * 1e6 if tokens and "router" in cpu else float("nan")
             lines.append(f"{t:<15}{w.name:<8}" + "".join(f"{cpu.get(k, 0.0):>15.2f}" for k in CPU_KINDS) + f"{per_token:>15.0f}")
-    speeds = [f"{t} {' / '.join(f'{v:.0f}' for v in results[t]['host_speed_ms'])}" for t in targets if results[t].get("host_speed_ms")]
+    speeds = [
+        f"{t} {' / '.join(f'{v[key]:.0f}' for v in results[t]['host_speed'])}"
+        for key in ("wakeup_us", "loop_ms")
+        for t in targets
+        if results[t].get("host_speed")
+    ]
     if speeds:
+        half = len(speeds) // 2
         lines += [
             "",
-            "Host speed before / after each target (ms for a fixed Python loop, lower is faster; targets that met "
-            "different spells of the host are not comparable): " + ", ".join(speeds),
+            "The idle host before / after each target (targets that met different spells are not comparable):",
+            "  cross-core wake-up round trip, µs: " + ", ".join(speeds[:half]),
+            "  fixed Python loop, ms: " + ", ".join(speeds[half:]),
         ]
     for t, what in (("mock-colocated", "the router alone"), ("mock", "the router and the decode-first handoff")):
         mock = results.get(t, {}).get("router_added_ttft")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
+AFFINITY = os.sched_getaffinity(0)
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +64,26 @@ def test_the_report_shows_the_median_run_and_each_repetition(bench):
 def test_the_report_shows_the_host_speed_each_target_met(bench):
     workloads = [bench.Workload("c=8", 8, 256, 64, 16)]
     results = {
-        "vllm": {"c=8": bench.representative([run(4000)]), "host_speed_ms": [61.0, 63.4]},
-        "disaggregated": {"c=8": bench.representative([run(2000)]), "host_speed_ms": [95.2, 101.0]},
+        "vllm": {
+            "c=8": bench.representative([run(4000)]),
+            "host_speed": [{"loop_ms": 61.0, "wakeup_us": 12.2}, {"loop_ms": 63.4, "wakeup_us": 14.0}],
+        },
+        "disaggregated": {
+            "c=8": bench.representative([run(2000)]),
+            "host_speed": [{"loop_ms": 95.2, "wakeup_us": 80.0}, {"loop_ms": 101.0, "wakeup_us": 95.0}],
+        },
     }
     table = bench.report(results, workloads)
-    assert "vllm 61 / 63, disaggregated 95 / 101" in table
+    assert "cross-core wake-up round trip, µs: vllm 12 / 14, disaggregated 80 / 95" in table
+    assert "fixed Python loop, ms: vllm 61 / 63, disaggregated 95 / 101" in table
     assert "2000.0 (0.50x)" in table  # the speed is shown beside the ratios, never folded into them
 
 
-def test_the_host_speed_probe_times_work_that_scales(bench):
-    small, large = bench.host_speed_ms(loops=20_000, samples=3), bench.host_speed_ms(loops=400_000, samples=3)
-    assert 0 < small < large
+def test_the_host_speed_probes_time_work_that_scales(bench):
+    assert 0 < bench.loop_ms(loops=20_000) < bench.loop_ms(loops=400_000)
+    speed = bench.host_speed()
+    assert set(speed) == {"loop_ms", "wakeup_us"} and speed["wakeup_us"] > 0
+    assert os.sched_getaffinity(0) == AFFINITY  # the probe gives the process its cores back
 
 
 def test_a_dotted_override_changes_one_nested_field_and_keeps_the_rest(bench):
