@@ -42,16 +42,18 @@ def install() -> None:
         from torch.distributed import distributed_c10d as c10d
     except ImportError:  # a torch without distributed support: nothing creates Gloo groups
         return
-    base = getattr(c10d, "ProcessGroupGloo", None)
-    if base is None or getattr(base, "_pd_serve_shared_device", False):
+    gloo = getattr(c10d, "ProcessGroupGloo", None)
+    if gloo is None or getattr(gloo.__init__, "_pd_serve_shared_device", False):
         return
-    c10d.ProcessGroupGloo = shared_device_class(base)
+    # The class itself is kept (torch checks its groups' backends with isinstance against it, and
+    # those come back from C++ as this class); only how torch constructs one changes.
+    gloo.__init__ = shared_device_init(gloo)
 
 
-def shared_device_class(base: type) -> type:
-    """``base`` (torch's ProcessGroupGloo), constructed by torch as ``(store, rank, size,
-    timeout=...)``, with its devices taken from one set made at the first group. Being a subclass,
-    it passes torch's ``isinstance`` checks for Gloo groups."""
+def shared_device_init(gloo: type) -> Any:
+    """An ``__init__`` for torch's ProcessGroupGloo, which torch calls as ``(store, rank, size,
+    timeout=...)``: the group's devices are taken from one set, made for the first group."""
+    original = gloo.__init__
     lock = threading.Lock()
     devices: list[Any] = []
 
@@ -60,22 +62,20 @@ def shared_device_class(base: type) -> type:
             if not devices:
                 interfaces = [i for i in os.environ.get(IFNAME_ENV, "").split(",") if i]
                 if interfaces:
-                    devices.extend(base.create_device(interface=i) for i in interfaces)
+                    devices.extend(gloo.create_device(interface=i) for i in interfaces)
                 else:
-                    devices.append(base.create_default_device())
+                    devices.append(gloo.create_default_device())
             return list(devices)
 
-    class SharedDeviceProcessGroupGloo(base):  # type: ignore[misc, valid-type]
-        _pd_serve_shared_device = True
+    def __init__(self: Any, store: Any, rank: int, size: int, timeout: Any = None) -> None:  # noqa: N807
+        if isinstance(timeout, gloo._Options):  # the caller built its own options: keep them
+            original(self, store, rank, size, timeout)
+            return
+        options = gloo._Options()
+        if timeout is not None:
+            options._timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+        options._devices = shared_devices()
+        original(self, store, rank, size, options)
 
-        def __init__(self, store: Any, rank: int, size: int, timeout: Any = None) -> None:
-            if isinstance(timeout, base._Options):  # the caller built its own options: keep them
-                super().__init__(store, rank, size, timeout)
-                return
-            options = base._Options()
-            if timeout is not None:
-                options._timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-            options._devices = shared_devices()
-            super().__init__(store, rank, size, options)
-
-    return SharedDeviceProcessGroupGloo
+    __init__._pd_serve_shared_device = True  # type: ignore[attr-defined]
+    return __init__

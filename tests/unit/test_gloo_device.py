@@ -34,6 +34,13 @@ def run(rank, size, port):
         dist.broadcast(y, size - 1, group=group)
         assert y[0].item() == size - 1
         dist.barrier(group=group)
+    # Still torch's own class, so torch's checks on a group's backend hold (a timeout reaches it).
+    from torch.distributed import distributed_c10d as c10d
+    import datetime, warnings
+    assert isinstance(groups[0]._get_backend(torch.device("cpu")), c10d.ProcessGroupGloo)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c10d._set_pg_timeout(datetime.timedelta(seconds=60), groups[0])
     os.write(1, ("%d %d\\n" % (rank, gloo_threads())).encode())  # one write: the ranks share stdout
     for group in groups:
         dist.destroy_process_group(group)
@@ -83,37 +90,40 @@ def test_not_asked_for_torch_makes_a_device_per_group(tmp_path):
 def test_groups_share_devices_made_once_and_callers_own_options_are_kept(monkeypatch):
     from serve_app.engines import gloo_device
 
-    class FakeGloo:
-        class _Options:
-            def __init__(self):
-                self._timeout = None
-                self._devices = []
+    def fake_gloo() -> type:
+        class FakeGloo:
+            class _Options:
+                def __init__(self):
+                    self._timeout = None
+                    self._devices = []
 
-        made: list = []
+            made: list = []
 
-        @staticmethod
-        def create_default_device():
-            FakeGloo.made.append(("default",))
-            return FakeGloo.made[-1]
+            @staticmethod
+            def create_default_device():
+                FakeGloo.made.append(("default",))
+                return FakeGloo.made[-1]
 
-        @staticmethod
-        def create_device(interface=""):
-            FakeGloo.made.append(("interface", interface))
-            return FakeGloo.made[-1]
+            @staticmethod
+            def create_device(interface=""):
+                FakeGloo.made.append(("interface", interface))
+                return FakeGloo.made[-1]
 
-        def __init__(self, store, rank, size, options):
-            self.options = options
+            def __init__(self, store, rank, size, options):
+                self.options = options
+
+        FakeGloo.__init__ = gloo_device.shared_device_init(FakeGloo)
+        return FakeGloo
 
     monkeypatch.delenv(gloo_device.IFNAME_ENV, raising=False)
-    shared = gloo_device.shared_device_class(FakeGloo)
-    first, second = shared("store", 0, 1, timeout=5), shared("store", 0, 1)
-    assert first.options._devices == second.options._devices == [("default",)] == FakeGloo.made
+    gloo = fake_gloo()
+    first, second = gloo("store", 0, 1, timeout=5), gloo("store", 0, 1)
+    assert first.options._devices == second.options._devices == [("default",)] == gloo.made
     assert first.options._timeout.total_seconds() == 5 and second.options._timeout is None
-    own = FakeGloo._Options()
-    assert shared("store", 0, 1, own).options is own
+    own = gloo._Options()
+    assert gloo("store", 0, 1, own).options is own
     # torch makes one device per interface named in GLOO_SOCKET_IFNAME; so does the shared set.
-    FakeGloo.made.clear()
     monkeypatch.setenv(gloo_device.IFNAME_ENV, "lo,eth0")
-    other = gloo_device.shared_device_class(FakeGloo)
-    assert other("store", 0, 1).options._devices == other("store", 0, 1).options._devices == [("interface", "lo"), ("interface", "eth0")]
-    assert len(FakeGloo.made) == 2
+    gloo = fake_gloo()
+    assert gloo("store", 0, 1).options._devices == gloo("store", 0, 1).options._devices == [("interface", "lo"), ("interface", "eth0")]
+    assert len(gloo.made) == 2
