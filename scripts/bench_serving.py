@@ -499,19 +499,17 @@ def report(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> str
             tokens = run["result"].get("total_output_tokens") or 0
             per_token = cpu.get("router", 0.0) / tokens * 1e6 if tokens and "router" in cpu else float("nan")
             lines.append(f"{t:<15}{w.name:<8}" + "".join(f"{cpu.get(k, 0.0):>15.2f}" for k in CPU_KINDS) + f"{per_token:>15.0f}")
-    speeds = [
-        f"{t} {' / '.join(f'{v[key]:.0f}' for v in results[t]['host_speed'])}"
-        for key in ("wakeup_us", "loop_ms")
-        for t in targets
-        if results[t].get("host_speed")
-    ]
-    if speeds:
-        half = len(speeds) // 2
+    probed = [t for t in targets if results[t].get("host_speed")]
+
+    def host_line(key: str) -> str:
+        return ", ".join(f"{t} {' / '.join(f'{v[key]:.0f}' for v in results[t]['host_speed'])}" for t in probed)
+
+    if probed:
         lines += [
             "",
             "The idle host before / after each target (targets that met different spells are not comparable):",
-            "  cross-core wake-up round trip, µs: " + ", ".join(speeds[:half]),
-            "  fixed Python loop, ms: " + ", ".join(speeds[half:]),
+            "  cross-core wake-up round trip, µs: " + host_line("wakeup_us"),
+            "  fixed Python loop, ms: " + host_line("loop_ms"),
         ]
     for t, what in (("mock-colocated", "the router alone"), ("mock", "the router and the decode-first handoff")):
         mock = results.get(t, {}).get("router_added_ttft")

@@ -25,7 +25,6 @@ one loop thread. Groups stay separate process groups: collectives, sequence numb
 
 from __future__ import annotations
 
-import datetime
 import os
 import threading
 from typing import Any
@@ -73,7 +72,7 @@ def shared_device_init(gloo: type) -> Any:
             return
         options = gloo._Options()
         if timeout is not None:
-            options._timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+            options._timeout = timeout
         options._devices = shared_devices()
         original(self, store, rank, size, options)
 

@@ -5,10 +5,12 @@ as it is."""
 
 from __future__ import annotations
 
+import datetime
 import os
-import socket
 import subprocess
 import sys
+
+from tests.unit.kv_helpers import free_port
 
 # One rank or two (argv[1]), the groups vLLM's CPU worker makes (world, then two per parallel
 # dimension), collectives on each, then teardown as vLLM does it. Prints the Gloo loop threads.
@@ -54,12 +56,6 @@ if __name__ == "__main__":
         import torch.multiprocessing as mp
         mp.spawn(run, args=(size, port), nprocs=size)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def probe(size: int, shared: bool, tmp_path) -> list[tuple[int, int]]:
@@ -117,7 +113,7 @@ def test_groups_share_devices_made_once_and_callers_own_options_are_kept(monkeyp
 
     monkeypatch.delenv(gloo_device.IFNAME_ENV, raising=False)
     gloo = fake_gloo()
-    first, second = gloo("store", 0, 1, timeout=5), gloo("store", 0, 1)
+    first, second = gloo("store", 0, 1, timeout=datetime.timedelta(seconds=5)), gloo("store", 0, 1)
     assert first.options._devices == second.options._devices == [("default",)] == gloo.made
     assert first.options._timeout.total_seconds() == 5 and second.options._timeout is None
     own = gloo._Options()
