@@ -262,16 +262,21 @@ def _replica_processes(app_name: str) -> dict[str, psutil.Process]:
     return found
 
 
+def _per_thread(proc, read) -> list:
+    """``read(thread_id)`` for each of the process's threads, skipping any that ended meanwhile."""
+    values = []
+    for thread in proc.threads():
+        try:
+            values.append(read(thread.id))
+        except OSError:  # ended meanwhile
+            pass
+    return values
+
+
 def _thread_masks(proc) -> set[frozenset[int]]:
     import os
 
-    masks = set()
-    for thread in proc.threads():
-        try:
-            masks.add(frozenset(os.sched_getaffinity(thread.id)))
-        except OSError:  # ended meanwhile
-            pass
-    return masks
+    return {frozenset(mask) for mask in _per_thread(proc, os.sched_getaffinity)}
 
 
 def _engine_core_and_worker(replica):
@@ -309,14 +314,11 @@ def test_engine_cores_share_their_workers_cores_and_replicas_keep_off_them(which
 
 
 def _thread_names(proc) -> list[str]:
-    names = []
-    for thread in proc.threads():
-        try:
-            with open(f"/proc/{proc.pid}/task/{thread.id}/comm") as comm:
-                names.append(comm.read().strip())
-        except OSError:  # ended meanwhile
-            pass
-    return names
+    def comm(thread_id: int) -> str:
+        with open(f"/proc/{proc.pid}/task/{thread_id}/comm") as f:
+            return f.read().strip()
+
+    return _per_thread(proc, comm)
 
 
 def test_engine_workers_keep_one_gloo_loop_thread(app):
