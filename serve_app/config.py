@@ -87,8 +87,12 @@ class RouterConfig(_Strict):
     max_attempts: int = Field(4, ge=1, le=64, description="attempts per client request (recompute + faults)")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     stats_interval_s: float = Field(0.5, gt=0, description="how often engine stats are polled")
-    engine_transport: Literal["grpc", "ray"] = Field(
-        "grpc", description="how router-engine calls travel: Serve's gRPC transport (default) or Ray object references"
+    engine_transport: Literal["http", "grpc", "ray"] = Field(
+        "http",
+        description=(
+            "how router-engine calls travel: HTTP to each engine replica's own endpoint (default; "
+            "engines/call_server.py), Serve's gRPC transport, or Ray object references"
+        ),
     )
     max_ongoing_requests: int = Field(1024, ge=1)
     http: RouterHTTPConfig = Field(default_factory=RouterHTTPConfig)

@@ -99,6 +99,15 @@ class KVEndpoint:
     port: int
 
 
+@dataclass(frozen=True)
+class EngineCallEndpoint:
+    """Where an engine replica takes the router's calls over HTTP, and the token it wants
+    (engines/call_server.py); reported in its stats, which only travel over Serve."""
+
+    url: str
+    token: str = field(repr=False)
+
+
 @dataclass
 class EngineStats:
     """Cheap load report of one engine, polled by the router's balancer."""
@@ -112,6 +121,7 @@ class EngineStats:
     inflight: int = 0
     healthy: bool = True
     kv_endpoint: KVEndpoint | None = None
+    call_endpoint: EngineCallEndpoint | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

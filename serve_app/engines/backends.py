@@ -168,6 +168,9 @@ class EngineSpec:
     # Cores the replica keeps off once its engine has started: every engine's bound cores
     # (cpu_placement.py); empty: it runs anywhere.
     engines_cores: tuple[int, ...] = ()
+    # Whether the replica takes the router's calls over its own HTTP endpoint too
+    # (router.engine_transport: http, engines/call_server.py).
+    call_server: bool = False
 
     @property
     def push_records(self) -> bool:
@@ -205,6 +208,7 @@ def engine_specs(config: AppConfig) -> list[EngineSpec]:
                     health_check_timeout_s=group.health_check_timeout_s,
                     backend=backend.name,
                     stream_items_per_s=config.stream_items_per_s,
+                    call_server=config.router.engine_transport == "http",
                     resources=_resources(config, backend, role, group),  # type: ignore[arg-type]
                 )
             )

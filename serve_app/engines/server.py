@@ -9,7 +9,8 @@ from typing import Any
 
 from serve_app.cpu_placement import keep_off_engine_cores
 from serve_app.engines.backends import BACKENDS, EngineSpec
-from serve_app.engines.kv_endpoint import settle_kv_endpoint
+from serve_app.engines.call_server import EngineCallServer
+from serve_app.engines.kv_endpoint import settle_kv_endpoint, side_channel_host
 from serve_app.engines.pacing import StreamPacer
 from serve_app.logs import quiet_cancelled_requests, serve_log_file_kept, to_serve_logs
 from serve_app.metrics import engine_metrics
@@ -55,6 +56,8 @@ class EngineServer:
         self._tags = {"role": spec.role, "engine": spec.name}
         self._metrics = engine_metrics()
         self._gauge_task = asyncio.get_running_loop().create_task(self._report_gauges())
+        # Last: the router learns of it from the stats, and then its calls may come at once.
+        self.call_server = EngineCallServer(side_channel_host(), self) if spec.call_server else None
 
     async def _report_gauges(self) -> None:
         while True:
@@ -66,6 +69,7 @@ class EngineServer:
     async def stats(self) -> EngineStats:
         stats = self.runner.stats()
         stats.kv_endpoint = self.kv_endpoint
+        stats.call_endpoint = self.call_server.endpoint if self.call_server is not None else None
         return stats
 
     async def abort(self, request_id: str) -> None:
@@ -92,6 +96,9 @@ class EngineServer:
         task = getattr(self, "_gauge_task", None)
         if task is not None:
             task.cancel()
+        call_server = getattr(self, "call_server", None)
+        if call_server is not None:
+            call_server.close()
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.shutdown()

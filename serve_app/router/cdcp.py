@@ -33,6 +33,7 @@ from serve_app.logs import attempt_log_level
 from serve_app.metrics import RouterMetrics
 from serve_app.protocol import EngineRejected, EngineRequest, KVEndpoint, KVReady, PrefillResult, Role, TokenDelta
 from serve_app.router.balancer import EngineLoad
+from serve_app.router.engine_client import EngineUnreachable
 from serve_app.router.pool import EnginePool
 from serve_app.router.recompute import AttemptPlan, Phase
 from serve_app.sampling import encode_sampling
@@ -104,7 +105,7 @@ def engine_gone(exc: BaseException) -> bool:
     """Errors that mean the replica itself is gone (Serve restarts it), not a bad request."""
     import ray.exceptions
 
-    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, EngineUnreachable))
 
 
 def kv_ready_mismatch(params: dict[str, Any], endpoint: KVEndpoint | None, checks: Collection[str]) -> str | None:
@@ -152,7 +153,7 @@ class AttemptExecutor:
         request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, encoded, kv_params)
         reserved = len(plan.prompt_token_ids) + plan.max_tokens
         with self.pool.lease(decode.name, reserved):
-            stream = self.pool.stream_handles[decode.name].generate.remote(request)
+            stream = self.pool.open_stream(decode.name, request)
             attempt = AttemptRun(self, plan, decode.name, stream, request_deadline)
             try:
                 async for event in attempt.events():
@@ -283,7 +284,7 @@ class AttemptRun:
         params = {k: v for k, v in kv_params.items() if k in PREFILL_KV_KEYS}
         request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params)
         self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))
-        response = self.executor.pool.handles[prefill.name].run.remote(request)
+        response = self.executor.pool.start_prefill(prefill.name, request)
         logger.log(
             attempt_log_level(self.plan.number),
             "attempt %s: KV ready on %s; prefill on %s pushes transfer %s",

@@ -43,8 +43,9 @@ def engine_handle(handle: Any, transport: str) -> Any:
     """The router's handle to an engine. With ``grpc`` (Ray Serve's transport for its
     throughput-optimized mode) calls and streamed items go straight to the replica's gRPC server
     instead of through Ray's object store: about a millisecond less per call and much less CPU per
-    streamed item on both ends. Our messages are plain dataclasses: pickle, not cloudpickle."""
-    if transport == "grpc":
+    streamed item on both ends. Our messages are plain dataclasses: pickle, not cloudpickle. With
+    ``http`` the handle carries the stats polls, and the calls until an engine's endpoint is known."""
+    if transport in ("grpc", "http"):
         return handle.options(_by_reference=False, request_serialization="pickle", response_serialization="pickle")
     return handle
 

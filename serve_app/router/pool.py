@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from serve_app.protocol import EngineStats, KVEndpoint, Role
+from serve_app.protocol import EngineRequest, EngineStats, KVEndpoint, Role
 from serve_app.router.balancer import EngineLoad, ScoreFn, decode_score, prefill_score, select
+from serve_app.router.engine_client import EngineClient
 from serve_app.router.leak_audit import LeakAudit
 
 logger = logging.getLogger("pd_serve.router")
@@ -24,7 +25,13 @@ SCORES: dict[Role, ScoreFn] = {"decode": decode_score, "prefill": prefill_score}
 
 
 class EnginePool:
-    def __init__(self, engines: dict[str, tuple[Role, Any]], stats_timeout_s: float = 2.0, audit: LeakAudit | None = None) -> None:
+    def __init__(
+        self,
+        engines: dict[str, tuple[Role, Any]],
+        stats_timeout_s: float = 2.0,
+        audit: LeakAudit | None = None,
+        client: EngineClient | None = None,
+    ) -> None:
         self.handles: dict[str, Any] = {name: handle for name, (_, handle) in engines.items()}
         # Streaming variants, made once: every attempt opens a stream on one of them.
         self.stream_handles: dict[str, Any] = {name: handle.options(stream=True) for name, handle in self.handles.items()}
@@ -33,6 +40,27 @@ class EnginePool:
         self.reported: dict[str, EngineStats] = {}
         self.audit = audit
         self._turn = itertools.count()
+        # router.engine_transport: http; calls then go to an engine's own endpoint once its stats
+        # have named one, through its Serve handle before.
+        self.client = client
+
+    def open_stream(self, name: str, request: EngineRequest) -> Any:
+        """Start a decode attempt's stream: ``__anext__`` for its events, ``cancel`` to end it."""
+        endpoint = self._call_endpoint(name)
+        if endpoint is not None:
+            return self.client.stream(endpoint, request)  # type: ignore[union-attr]
+        return self.stream_handles[name].generate.remote(request)
+
+    def start_prefill(self, name: str, request: EngineRequest) -> Any:
+        """Start a prefill call: await it for its ``PrefillResult``, ``cancel`` to abort it."""
+        endpoint = self._call_endpoint(name)
+        if endpoint is not None:
+            return self.client.call(endpoint, request)  # type: ignore[union-attr]
+        return self.handles[name].run.remote(request)
+
+    def _call_endpoint(self, name: str) -> Any:
+        reported = self.reported.get(name)
+        return reported.call_endpoint if self.client is not None and reported is not None else None
 
     def of_role(self, role: Role) -> list[EngineLoad]:
         return [load for load in self.loads.values() if load.role == role]
@@ -108,6 +136,8 @@ class EnginePool:
                 "kv_usage": reported.kv_usage if reported else None,
                 "kv_capacity_tokens": reported.kv_capacity_tokens if reported else None,
                 "kv_endpoint": dataclasses.asdict(reported.kv_endpoint) if reported and reported.kv_endpoint else None,
+                # Its URL only: the token stays between the engine and the routers.
+                "call_endpoint": reported.call_endpoint.url if reported and reported.call_endpoint else None,
                 "extra": reported.extra if reported else {},
             }
         return out

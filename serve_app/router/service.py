@@ -11,6 +11,7 @@ Every client request is accounted once, on every path out (success, error, clien
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -25,6 +26,7 @@ from serve_app.engines.backends import BACKENDS
 from serve_app.metrics import RouterMetrics
 from serve_app.protocol import Role
 from serve_app.router.cdcp import AttemptExecutor
+from serve_app.router.engine_client import EngineClient
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
 from serve_app.router.framing import SSE_DONE, sse
 from serve_app.router.leak_audit import Discrepancy, LeakAudit
@@ -84,7 +86,7 @@ class RouterService:
             sole_router=config.router.num_replicas == 1,
             report=self._report_leaks,
         )
-        self.pool = EnginePool(engines, audit=audit)
+        self.pool = EnginePool(engines, audit=audit, client=EngineClient() if config.router.engine_transport == "http" else None)
         self.executor = AttemptExecutor(self.pool, config.router.timeouts, metrics, BACKENDS[config.backend].kv_ready_checks)
         self.replica_id = replica_id
         self.inflight = 0
@@ -111,6 +113,9 @@ class RouterService:
     def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        if self.pool.client is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: the process is ending anyway
+                asyncio.get_running_loop().create_task(self.pool.client.close())
 
     # ------------------------------------------------------------------ HTTP
     async def http(self, route: Route, raw_body: bytes) -> Response:

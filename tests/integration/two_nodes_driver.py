@@ -125,7 +125,12 @@ def main() -> None:
     local = [name for name, host in hosts.items() if host != NODE2]
     if len(remote) != 1 or len(local) != 1:
         fail(f"decode engines' KV endpoints: {hosts} (one per node expected)")
-    say(f"two nodes up; decode side channels {hosts}")
+    # The router's calls reach each engine at its own node's address (router.engine_transport: http).
+    calls = {name: e["call_endpoint"] for name, e in engines.items()}
+    for name, host in hosts.items():
+        if not (calls[name] or "").startswith(f"http://{host}:"):
+            fail(f"{name}: call endpoint {calls[name]!r} is not on its node {host}")
+    say(f"two nodes up; decode side channels {hosts}; call endpoints {calls}")
 
     # 1. Greedy output token-exact against colocated, KV pushed across the nodes.
     prompts = [token_pattern(n, seed) for seed, n in enumerate((40, 128, 129, 300, 700, 1000))]

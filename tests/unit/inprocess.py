@@ -195,7 +195,13 @@ MOCK_ARGS: dict[str, Any] = {
     "max_model_len": 2048,
     "prefill": {"replicas": 1},
     "decode": {"replicas": 2},
-    "router": {"mode": "disaggregated", "timeouts": {"kv_ready_s": 2, "prefill_s": 2, "first_token_s": 2, "request_s": 20}},
+    # Calls through the handle stand-ins, where faults are injected; tests/unit/test_engine_http.py
+    # runs the same app over the engines' own HTTP endpoints (router.engine_transport: http).
+    "router": {
+        "mode": "disaggregated",
+        "engine_transport": "grpc",
+        "timeouts": {"kv_ready_s": 2, "prefill_s": 2, "first_token_s": 2, "request_s": 20},
+    },
     "mock": {"decode_step_s": 0.001, "prefill_s_per_token": 0.00001},
 }
 
@@ -237,6 +243,8 @@ class App:
             relay = getattr(engine, "relay", None)
             if relay is not None:
                 await relay.stop()
+            if engine.call_server is not None:
+                await engine.call_server.stop()
             engine.__del__()
 
     async def idle(self, timeout_s: float = 5.0) -> dict[str, Any]:

@@ -1,0 +1,160 @@
+"""An engine replica's own HTTP endpoint for the router's calls (``router.engine_transport: http``).
+
+Why: at a few concurrent requests the hand-off from router to decode engine to prefill engine
+and back is Serve messages queueing in busy processes, and each Serve message crosses several
+threads on both ends (Serve's gRPC transport: gRPC's I/O threads, its completion-queue poller,
+the replica's event loop). Here a call is one HTTP/1.1 request on a kept-alive loopback
+connection, read and written by the event loops themselves (uvicorn with httptools in the
+replica, aiohttp in the router): measured on the 2-core development host, at c=8 the mock
+engine's app served half as many tokens again and the real engines' a sixth more, with less
+CPU in every replica (README, Performance). Serve still deploys, restarts, health-checks and
+scales the replicas, and its handles still carry the stats polls, and the calls themselves
+until the router has heard of this endpoint.
+
+Two routes, one per call the router makes: ``POST /generate`` streams ``Decode.generate``'s
+events, ``POST /run`` answers ``Prefill.run``. Bodies are engine_wire's frames. Each replica
+makes its own random token at start and reports it, with the URL, in its stats (over Serve, to
+the router only); a request without it is refused before its body is read, so nothing else on
+the host or network can make an engine run anything. The call runs only while its client
+listens: a closed connection cancels it, and with it the engine's request (its KV blocks), as a
+cancelled Serve call does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable
+from contextlib import aclosing
+from typing import Any
+
+from serve_app.engine_wire import CONTENT_TYPE, CallError, WireError, decode_request, encode_frame
+from serve_app.http_server import InReplicaServer, listening_socket
+from serve_app.protocol import EngineCallEndpoint, EngineRequest, PrefillResult
+
+logger = logging.getLogger("pd_serve.engine")
+
+GENERATE_PATH = "/generate"
+RUN_PATH = "/run"
+# An EngineRequest is a prompt's token ids and a few small fields: 32 MiB holds any context
+# length a model has with room to spare, and bounds what an authorised but broken caller sends.
+MAX_BODY_BYTES = 32 << 20
+
+
+class EngineCallServer:
+    """Serves ``replica.generate`` (a decode replica's) and ``replica.run`` (a prefill
+    replica's), looked up at each call, on ``host`` (a free port)."""
+
+    def __init__(self, host: str, replica: Any) -> None:
+        self._replica = replica
+        self.token = secrets.token_urlsafe(32)
+        self._authorization = f"Bearer {self.token}".encode()
+        self._server = InReplicaServer(self, listening_socket(host, 0, backlog=1024))
+        bound_host, port = self._server.address[:2]
+        self.endpoint = EngineCallEndpoint(url=f"http://{bound_host}:{port}", token=self.token)
+        logger.info("engine call endpoint at %s", self.endpoint.url)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] != "POST" or scope["path"] not in (GENERATE_PATH, RUN_PATH):
+            await _plain(send, 404, "no such engine call")
+            return
+        headers = dict(scope["headers"])
+        if not secrets.compare_digest(headers.get(b"authorization", b""), self._authorization):
+            await _plain(send, 401, "missing or wrong engine call token")
+            return
+        body = await _body(receive)
+        if body is None:  # the client left before its request was whole
+            return
+        if body is _TOO_LARGE:
+            await _plain(send, 413, f"body over {MAX_BODY_BYTES} bytes")
+            return
+        try:
+            request = decode_request(body)
+        except WireError as exc:
+            await _plain(send, 400, str(exc))
+            return
+        if scope["path"] == GENERATE_PATH and hasattr(self._replica, "generate"):
+            await _while_connected(self._stream(request, send), receive)
+        elif scope["path"] == RUN_PATH and hasattr(self._replica, "run"):
+            await _while_connected(self._call(request, send), receive)
+        else:
+            await _plain(send, 404, "this engine does not take that call")
+
+    async def _stream(self, request: EngineRequest, send: Any) -> None:
+        await _start(send)
+        try:
+            async with aclosing(self._replica.generate(request)) as events:
+                async for event in events:
+                    await send({"type": "http.response.body", "body": encode_frame(event), "more_body": True})
+        except Exception as exc:  # the router fails the attempt with this message, as with Serve
+            await send({"type": "http.response.body", "body": encode_frame(_error(exc)), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _call(self, request: EngineRequest, send: Any) -> None:
+        try:
+            result: PrefillResult | CallError = await self._replica.run(request)
+        except Exception as exc:
+            result = _error(exc)
+        await _start(send)
+        await send({"type": "http.response.body", "body": encode_frame(result), "more_body": False})
+
+    def close(self) -> None:
+        self._server.close()
+
+    async def stop(self) -> None:
+        await self._server.stop()
+
+
+def _error(exc: BaseException) -> CallError:
+    return CallError(f"{type(exc).__name__}: {exc}")
+
+
+async def _while_connected(work: Awaitable[None], receive: Any) -> None:
+    """Run ``work``; if the client goes away first, cancel it (and what it holds in the engine)."""
+    task = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in (task, disconnect):
+            future.cancel()
+        for future in (task, disconnect):
+            with contextlib.suppress(BaseException):
+                await future
+
+
+async def _disconnected(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+_TOO_LARGE = b"<too large>"
+
+
+async def _body(receive: Any) -> bytes | None:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return _TOO_LARGE
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _start(send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", CONTENT_TYPE.encode())]})
+
+
+async def _plain(send: Any, status: int, message: str) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": message.encode(), "more_body": False})

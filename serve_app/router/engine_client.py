@@ -1,0 +1,137 @@
+"""The router's side of ``router.engine_transport: http``: calls to an engine replica's own
+endpoint (engines/call_server.py), shaped like the Serve responses they stand in for.
+
+``EngineStream`` is read like a streaming ``DeploymentResponseGenerator`` (``__anext__``,
+``cancel``) and ``EngineCall`` awaited like a ``DeploymentResponse`` (``cancel``), so the
+attempt's code does not care which transport it holds. Connections are kept alive and reused
+(aiohttp's pool): a finished stream reads its body to the end so its connection goes back to
+the pool; a cancelled one closes its connection, which is what tells the replica to abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Generator
+from typing import Any
+
+from serve_app.engine_wire import CONTENT_TYPE, CallError, FrameReader, Message, WireError, encode_request
+from serve_app.engines.call_server import GENERATE_PATH, RUN_PATH
+from serve_app.protocol import EngineCallEndpoint, EngineEvent, EngineRequest, PrefillResult, TokenDelta
+
+# How long a finished stream may take to deliver the rest of its body (the end of the chunked
+# encoding, sent right after the last frame) before its connection is closed instead of reused.
+DRAIN_TIMEOUT_S = 1.0
+CONNECT_TIMEOUT_S = 5.0
+
+
+class EngineUnreachable(ConnectionError):
+    """The engine replica's endpoint did not answer, or its connection broke: the replica is
+    gone or restarting (Serve replaces it), so the router stops choosing it until its stats answer."""
+
+
+class EngineCallFailed(RuntimeError):
+    """The replica answered, but its call failed (it raised, or refused the call)."""
+
+
+class EngineClient:
+    """One per router replica: a pool of kept-alive connections to the engines' endpoints."""
+
+    def __init__(self) -> None:
+        self._session: Any = None
+
+    def _http(self) -> Any:
+        import aiohttp
+
+        if self._session is None:  # made on first use, inside the replica's running loop
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
+                auto_decompress=False,
+            )
+        return self._session
+
+    def stream(self, endpoint: EngineCallEndpoint, request: EngineRequest) -> EngineStream:
+        return EngineStream(self._post(endpoint, GENERATE_PATH, request))
+
+    def call(self, endpoint: EngineCallEndpoint, request: EngineRequest) -> EngineCall:
+        return EngineCall(self._post(endpoint, RUN_PATH, request))
+
+    async def _post(self, endpoint: EngineCallEndpoint, path: str, request: EngineRequest) -> AsyncIterator[Message]:
+        """The call's messages as they arrive; errors as ``EngineUnreachable`` or ``EngineCallFailed``."""
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {endpoint.token}", "Content-Type": CONTENT_TYPE}
+        try:
+            async with self._http().post(endpoint.url + path, data=encode_request(request), headers=headers) as response:
+                if response.status != 200:
+                    reason = (await response.read()).decode(errors="replace")[:500]
+                    raise EngineCallFailed(f"engine endpoint answered {response.status}: {reason}")
+                reader = FrameReader()
+                async for chunk in response.content.iter_any():
+                    for message in reader.feed(chunk):
+                        if isinstance(message, CallError):
+                            raise EngineCallFailed(message.message)
+                        yield message
+                if reader.pending:
+                    raise EngineUnreachable(f"the engine's answer ended inside a frame ({reader.pending} bytes)")
+        except aiohttp.ClientError as exc:
+            raise EngineUnreachable(f"engine endpoint {endpoint.url}: {exc!r}") from exc
+        except WireError as exc:
+            raise EngineCallFailed(f"engine endpoint {endpoint.url} sent a broken answer: {exc}") from exc
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class EngineStream:
+    def __init__(self, messages: AsyncIterator[Message]) -> None:
+        self._messages = messages
+        self._finished = False
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> EngineEvent:
+        message = await anext(self._messages)
+        if isinstance(message, PrefillResult):
+            raise EngineCallFailed("the engine answered a stream with a prefill result")
+        if isinstance(message, TokenDelta) and message.finish_reason is not None:
+            self._finished = True
+        return message
+
+    def cancel(self) -> None:
+        """Close the call: after its last delta, once its body has ended (the connection is then
+        reused); before, at once (the replica sees the connection close and aborts)."""
+        asyncio.ensure_future(self._close())
+
+    async def _close(self) -> None:
+        with contextlib.suppress(BaseException):
+            if self._finished:
+                async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                    async for _ in self._messages:
+                        pass
+        with contextlib.suppress(BaseException):
+            await self._messages.aclose()
+
+
+class EngineCall:
+    def __init__(self, messages: AsyncIterator[Message]) -> None:
+        self._task = asyncio.ensure_future(self._result(messages))
+
+    @staticmethod
+    async def _result(messages: AsyncIterator[Message]) -> PrefillResult:
+        result = None
+        async for message in messages:
+            result = message
+        if not isinstance(result, PrefillResult):
+            raise EngineCallFailed(f"the engine answered {type(result).__name__} instead of a prefill result")
+        return result
+
+    def __await__(self) -> Generator[Any, None, PrefillResult]:
+        return self._task.__await__()
+
+    def cancel(self) -> None:
+        self._task.cancel()

@@ -1,0 +1,276 @@
+"""Router-engine calls over the engines' own HTTP endpoints (``router.engine_transport: http``):
+the wire format, the endpoint's refusals, and the whole app in this process (mock engines, real
+loopback HTTP between the router's client and each replica's endpoint), with the checks of
+test_orchestration: tokens exact, and nothing held anywhere after each test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from serve_app.engine_wire import CallError, FrameReader, WireError, decode_request, encode_frame, encode_request
+from serve_app.engines.call_server import GENERATE_PATH, RUN_PATH
+from serve_app.protocol import EngineRejected, EngineRequest, KVReady, PrefillResult, TokenDelta, TokenLogprob
+from serve_app.router.cdcp import engine_gone
+from serve_app.router.engine_client import EngineCallFailed, EngineUnreachable
+from tests.unit.inprocess import App
+from tests.unit.test_orchestration import PROMPT, args, completion, expected, leased, no_callbacks, tokens_of, wait_until
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def http_args(**changes):
+    out = args(**changes)
+    out["router"] = {**out["router"], "engine_transport": "http"}
+    return out
+
+
+def run(coro_fn, app_args, tokenizer):
+    async def main():
+        app = await App.start(app_args, tokenizer)
+        try:
+            result = await asyncio.wait_for(coro_fn(app), 30)
+            await app.idle()
+            return result
+        finally:
+            await app.stop()
+
+    return asyncio.run(main())
+
+
+def handle_calls(app: App) -> list[str]:
+    """The engine calls that went through the Serve handle stand-ins (stats polls aside)."""
+    return [call for faults in app.faults.values() for call in faults.calls if call != "stats"]
+
+
+# ---------------------------------------------------------------------------- the wire
+MESSAGES = [
+    KVReady({"remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1", "remote_port": 36000, "do_remote_prefill": True}),
+    TokenDelta([5, 6], [TokenLogprob(5, -0.1, ((5, -0.1), (7, -2.5)))], None, None, 8),
+    TokenDelta([9], finish_reason="stop", stop_reason="recomputed"),
+    TokenDelta([9], finish_reason="stop", stop_reason=13),
+    EngineRejected("token id 5000 is out of vocabulary"),
+    PrefillResult("a-1", 8, "length", {"outcome": "done", "bytes_pushed": 4096, "first_layer_sent_at": 1.5}),
+    CallError("PrefillFailed: the push broke"),
+]
+
+
+def test_every_message_survives_the_wire_whatever_the_reads():
+    data = b"".join(encode_frame(m) for m in MESSAGES)
+    for size in (1, 3, 7, 64, len(data)):
+        reader = FrameReader()
+        got = [m for i in range(0, len(data), size) for m in reader.feed(data[i : i + size])]
+        assert got == MESSAGES and reader.pending == 0, size
+    request = EngineRequest("a-1", [1, 2, 3], b"\x81\xa1x\x01", {"do_remote_prefill": True, "request_id": "a-1"})
+    assert decode_request(encode_request(request)) == request
+
+
+def test_bytes_that_are_not_our_messages_are_refused():
+    with pytest.raises(WireError):
+        decode_request(b"\x93not a request")
+    with pytest.raises(WireError):
+        FrameReader().feed((1 << 30).to_bytes(4, "big"))  # a length no frame of ours has
+    with pytest.raises(WireError):
+        FrameReader().feed(b"\x00\x00\x00\x03abc")
+    cut = encode_frame(MESSAGES[1])[:-2]
+    reader = FrameReader()
+    assert reader.feed(cut) == [] and reader.pending == len(cut)
+
+
+# ---------------------------------------------------------------------------- the endpoint
+def test_the_endpoint_takes_calls_only_with_its_token(engines_without_ray, tiny_tokenizer):
+    async def body(app: App) -> None:
+        decode = app.engines["decode-0"]
+        endpoint = decode.call_server.endpoint
+        request = encode_request(EngineRequest("x-1", PROMPT, b"", None))
+        async with aiohttp.ClientSession() as session:
+            for headers in ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": endpoint.token}):
+                async with session.post(endpoint.url + GENERATE_PATH, data=request, headers=headers) as response:
+                    assert response.status == 401
+            good = {"Authorization": f"Bearer {endpoint.token}"}
+            async with session.post(endpoint.url + GENERATE_PATH, data=b"\x00garbage", headers=good) as response:
+                assert response.status == 400
+            async with session.post(endpoint.url + RUN_PATH, data=request, headers=good) as response:
+                assert response.status == 404  # a decode replica takes no prefill calls
+            async with session.get(endpoint.url + GENERATE_PATH, headers=good) as response:
+                assert response.status == 404
+        assert len(decode.runner.requests) == 0  # nothing reached the engine
+        # Each replica has its own token, and the stats the router polls carry it.
+        tokens = {e.call_server.endpoint.token for e in app.engines.values()}
+        assert len(tokens) == len(app.engines)
+        assert (await decode.stats()).call_endpoint == endpoint
+
+    run(body, http_args(), tiny_tokenizer)
+
+
+# ---------------------------------------------------------------------------- the app over HTTP
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_completion_through_every_hop_over_http(engines_without_ray, tiny_tokenizer, mode):
+    async def body(app: App) -> None:
+        status, data = await completion(app, PROMPT, max_tokens=12)
+        assert status == 200, data
+        assert data["choices"][0]["token_ids"] == expected(PROMPT, 12)
+        status, events = await completion(app, PROMPT, max_tokens=12, stream=True, stream_options={"include_usage": True})
+        assert status == 200 and events[-1] == "[DONE]"
+        assert tokens_of(events) == expected(PROMPT, 12)
+        assert handle_calls(app) == []  # every generate and run went over HTTP
+        snapshot = (await app.service.engine_snapshot())["engines"]
+        for name, engine in app.engines.items():  # operators see where, never the token
+            assert snapshot[name]["call_endpoint"] == engine.call_server.endpoint.url
+        assert engine.call_server.token not in json.dumps(snapshot)
+        prefilled = len(app.engines["prefill-0"].runner.requests)
+        assert prefilled == (2 if mode == "disaggregated" else 0)
+
+    run(body, http_args(router={"mode": mode}), tiny_tokenizer)
+
+
+def test_concurrent_streams_share_kept_alive_connections(engines_without_ray, tiny_tokenizer):
+    async def body(app: App) -> None:
+        prompts = [[30 + i] * 9 for i in range(12)]
+        results = await asyncio.gather(*(completion(app, p, max_tokens=20, stream=bool(i % 2)) for i, p in enumerate(prompts)))
+        for i, (status, data) in enumerate(results):
+            assert status == 200
+            assert (tokens_of(data) if i % 2 else data["choices"][0]["token_ids"]) == expected(prompts[i], 20)
+        await asyncio.sleep(0.1)  # finished streams hand their connections back
+        connector = app.service.pool.client._http().connector
+        kept = sum(len(c) for c in connector._conns.values())
+        assert 1 <= kept <= 24  # reused, at most one per call in flight at once
+
+    run(body, http_args(), tiny_tokenizer)
+
+
+@pytest.mark.parametrize("phase", ["awaiting_kv", "prefilling", "decoding"])
+def test_a_client_disconnect_over_http_releases_everything(engines_without_ray, tiny_tokenizer, phase):
+    """The router closes its connection; the replica's endpoint sees that and cancels the call,
+    which aborts the engine's request (the idle check after the test holds every engine to it)."""
+
+    async def body(app: App) -> None:
+        if phase == "awaiting_kv":
+            no_callbacks(app)
+        if phase == "prefilling":
+            runner = app.engines["prefill-0"].runner
+            real = runner.generate
+
+            async def stuck(request):
+                async for event in real(request):  # the engine holds the request ...
+                    await asyncio.Event().wait()  # ... and its answer never comes
+                    yield event
+
+            runner.generate = stuck
+        events: list = []
+
+        async def client() -> None:
+            response = await app.service.http("completions", json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode())
+
+            async def send(message: dict) -> None:
+                events.append(message)
+
+            async def receive() -> dict:
+                await asyncio.Event().wait()
+                return {}
+
+            await response({"type": "http"}, receive, send)
+
+        task = asyncio.ensure_future(client())
+        if phase == "awaiting_kv":
+            await wait_until(lambda: any(e.relay.pending for n, e in app.engines.items() if n.startswith("decode")))
+        elif phase == "prefilling":
+            await wait_until(lambda: leased(app, "prefill") and app.engines["prefill-0"].runner.stats().inflight)
+        else:
+            await wait_until(lambda: len(events) >= 4)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    # Slow enough that a stream left running would still hold its engine at the idle check.
+    run(body, http_args(mock={"decode_step_s": 0.005}), tiny_tokenizer)
+
+
+def test_a_prefill_that_raises_over_http_is_retried(engines_without_ray, tiny_tokenizer):
+    async def body(app: App) -> None:
+        prefill = app.engines["prefill-0"]
+        real = prefill.run
+        failures = []
+
+        async def fails_once(request):
+            if not failures:
+                failures.append(request.request_id)
+                raise RuntimeError("prefill exploded")
+            return await real(request)
+
+        prefill.run = fails_once
+        status, data = await completion(app, PROMPT, max_tokens=10)
+        assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 10)
+        assert len(failures) == 1
+
+    run(body, http_args(), tiny_tokenizer)
+
+
+def test_an_engine_rejection_over_http_is_a_400(engines_without_ray, tiny_tokenizer):
+    async def body(app: App) -> None:
+        for name, engine in app.engines.items():
+            if name.startswith("decode"):
+
+                async def reject(request):
+                    yield EngineRejected("token id 5000 is out of vocabulary")
+
+                engine.runner.generate = reject
+        status, data = await completion(app, PROMPT)
+        assert status == 400 and "out of vocabulary" in data["error"]["message"]
+
+    run(body, http_args(router={"mode": "colocated"}), tiny_tokenizer)
+
+
+def kill(call_server) -> None:
+    """What a replica's death does to its endpoint: every connection cut, no new one taken.
+    (uvicorn's own shutdown would let a streaming response finish first.)"""
+    server = call_server._server._server
+    for connection in list(server.server_state.connections):
+        connection.transport.abort()
+    call_server.close()
+
+
+def test_a_decode_endpoint_that_is_gone_is_skipped_and_the_other_serves(engines_without_ray, tiny_tokenizer):
+    async def body(app: App) -> None:
+        kill(app.engines["decode-0"].call_server)  # the replica's process is gone
+        await asyncio.sleep(0.2)
+        for i in range(4):
+            status, data = await completion(app, [40 + i] * 8, max_tokens=6)
+            assert status == 200 and data["choices"][0]["token_ids"] == expected([40 + i] * 8, 6)
+        assert len(app.engines["decode-0"].runner.requests) == 0
+        assert len(app.engines["decode-1"].runner.requests) >= 4
+
+    run(body, http_args(), tiny_tokenizer)
+
+
+def test_a_decode_stream_cut_mid_way_is_resumed_token_exact(engines_without_ray, tiny_tokenizer):
+    """The replica's connection breaks after some tokens (its process died): the attempt fails
+    as the engine's loss, and the next attempt resumes the response where it stopped."""
+
+    async def body(app: App) -> None:
+        server = app.engines["decode-0"].call_server
+        broken = []
+
+        async def cut_after_some_tokens() -> None:
+            await wait_until(lambda: len(app.engines["decode-0"].runner.requests) > 0 and leased(app, "decode"))
+            await asyncio.sleep(0.02)
+            broken.append(True)
+            kill(server)
+
+        cutter = asyncio.ensure_future(cut_after_some_tokens())
+        app.service.pool.loads["decode-1"].healthy = False  # decode-0 first
+        status, events = await completion(app, PROMPT, max_tokens=300, stream=True)
+        await cutter
+        app.service.pool.loads["decode-1"].healthy = True
+        assert broken
+        assert status == 200 and tokens_of(events) == expected(PROMPT, 300)
+
+    run(body, http_args(router={"max_attempts": 4}), tiny_tokenizer)
+
+
+def test_transport_errors_name_the_engine_as_gone_only_when_it_is():
+    assert engine_gone(EngineUnreachable("connection refused"))
+    assert not engine_gone(EngineCallFailed("RuntimeError: prefill exploded"))
