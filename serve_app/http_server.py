@@ -37,12 +37,14 @@ def listening_socket(host: str, port: int, reuse_port: bool = False, backlog: in
 class InReplicaServer:
     """Serves ``app`` on ``sock`` from the running event loop until ``stop``."""
 
-    def __init__(self, app: Any, sock: socket.socket) -> None:
+    def __init__(self, app: Any, sock: socket.socket, keep_alive_s: float = 5.0) -> None:
         self.sock = sock
         self.address = sock.getsockname()
         # log_config=None: uvicorn would otherwise run logging.config.dictConfig, which closes every
         # handler in the process, Serve's log-file handler of this replica included.
-        config = uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(
+            app, log_config=None, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=keep_alive_s
+        )
         self._server = _QuietServer(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
 

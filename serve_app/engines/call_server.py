@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -41,6 +41,10 @@ RUN_PATH = "/run"
 # An EngineRequest is a prompt's token ids and a few small fields: 32 MiB holds any context
 # length a model has with room to spare, and bounds what an authorised but broken caller sends.
 MAX_BODY_BYTES = 32 << 20
+# An idle kept-alive connection is closed by the router's client first (after its own, shorter,
+# keep-alive): a server that closed it first could do so just as the client sent a call on it,
+# which the router would read as this engine lost.
+SERVER_KEEP_ALIVE_S = 300.0
 
 
 class EngineCallServer:
@@ -51,7 +55,7 @@ class EngineCallServer:
         self._replica = replica
         self.token = secrets.token_urlsafe(32)
         self._authorization = f"Bearer {self.token}".encode()
-        self._server = InReplicaServer(self, listening_socket(host, 0, backlog=1024))
+        self._server = InReplicaServer(self, listening_socket(host, 0, backlog=1024), keep_alive_s=SERVER_KEEP_ALIVE_S)
         bound_host, port = self._server.address[:2]
         self.endpoint = EngineCallEndpoint(url=f"http://{bound_host}:{port}", token=self.token)
         logger.info("engine call endpoint at %s", self.endpoint.url)
@@ -78,18 +82,22 @@ class EngineCallServer:
             await _plain(send, 400, str(exc))
             return
         if scope["path"] == GENERATE_PATH and hasattr(self._replica, "generate"):
-            await _while_connected(self._stream(request, send), receive)
+            await _while_connected(lambda gone: self._stream(request, send, gone), receive)
         elif scope["path"] == RUN_PATH and hasattr(self._replica, "run"):
-            await _while_connected(self._call(request, send), receive)
+            await _while_connected(lambda gone: self._call(request, send), receive)
         else:
             await _plain(send, 404, "this engine does not take that call")
 
-    async def _stream(self, request: EngineRequest, send: Any) -> None:
+    async def _stream(self, request: EngineRequest, send: Any, gone: asyncio.Event) -> None:
         await _start(send)
         try:
             async with aclosing(self._replica.generate(request)) as events:
                 async for event in events:
                     await send({"type": "http.response.body", "body": encode_frame(event), "more_body": True})
+                    if gone.is_set():
+                        # The client left, and the cancellation that says so was lost on the way
+                        # (an engine's code swallowed it): closing the stream still aborts.
+                        return
         except Exception as exc:  # the router fails the attempt with this message, as with Serve
             await send({"type": "http.response.body", "body": encode_frame(_error(exc)), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -113,10 +121,14 @@ def _error(exc: BaseException) -> CallError:
     return CallError(f"{type(exc).__name__}: {exc}")
 
 
-async def _while_connected(work: Awaitable[None], receive: Any) -> None:
-    """Run ``work``; if the client goes away first, cancel it (and what it holds in the engine)."""
-    task = asyncio.ensure_future(work)
-    disconnect = asyncio.ensure_future(_disconnected(receive))
+async def _while_connected(work: Callable[[asyncio.Event], Awaitable[None]], receive: Any) -> None:
+    """Run ``work``; if the client goes away first, cancel it (and what it holds in the engine).
+    ``work`` also gets the event that says the client is gone: a cancellation can be lost inside
+    code it calls (Python 3.11's ``asyncio.wait_for`` drops one that meets a result), and
+    uvicorn quietly drops what is sent to a closed connection, so a stream checks it itself."""
+    gone = asyncio.Event()
+    task = asyncio.ensure_future(work(gone))
+    disconnect = asyncio.ensure_future(_disconnected(receive, gone))
     try:
         await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -127,9 +139,10 @@ async def _while_connected(work: Awaitable[None], receive: Any) -> None:
                 await future
 
 
-async def _disconnected(receive: Any) -> None:
+async def _disconnected(receive: Any, gone: asyncio.Event) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+    gone.set()
 
 
 _TOO_LARGE = b"<too large>"

@@ -247,8 +247,11 @@ class MockEngine:
             if remaining <= 0:
                 self._finish(seq, "error", None)
                 break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(seq.wake.wait(), remaining)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation that
+            # meets the wake-up, and the aborted stream would then run on.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await seq.wake.wait()
             seq.wake.clear()
         seq.cached_tokens = len(seq.prompt)
         if seq.finish_reason is not None:

@@ -23,6 +23,12 @@ from serve_app.protocol import EngineCallEndpoint, EngineEvent, EngineRequest, P
 # encoding, sent right after the last frame) before its connection is closed instead of reused.
 DRAIN_TIMEOUT_S = 1.0
 CONNECT_TIMEOUT_S = 5.0
+# Shorter than the endpoint's own (call_server.SERVER_KEEP_ALIVE_S), so this side always closes
+# an idle connection first and never sends a call on one the engine is closing.
+CLIENT_KEEP_ALIVE_S = 60.0
+
+
+_closing: set[asyncio.Future] = set()
 
 
 class EngineUnreachable(ConnectionError):
@@ -45,7 +51,7 @@ class EngineClient:
 
         if self._session is None:  # made on first use, inside the replica's running loop
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
                 auto_decompress=False,
             )
@@ -66,6 +72,8 @@ class EngineClient:
             async with self._http().post(endpoint.url + path, data=encode_request(request), headers=headers) as response:
                 if response.status != 200:
                     reason = (await response.read()).decode(errors="replace")[:500]
+                    if response.status == 401:  # another replica at that address now: ours is gone
+                        raise EngineUnreachable(f"engine endpoint {endpoint.url} refused its token: {reason}")
                     raise EngineCallFailed(f"engine endpoint answered {response.status}: {reason}")
                 reader = FrameReader()
                 async for chunk in response.content.iter_any():
@@ -105,7 +113,9 @@ class EngineStream:
     def cancel(self) -> None:
         """Close the call: after its last delta, once its body has ended (the connection is then
         reused); before, at once (the replica sees the connection close and aborts)."""
-        asyncio.ensure_future(self._close())
+        closing = asyncio.ensure_future(self._close())
+        _closing.add(closing)  # the loop keeps only a weak reference to a task
+        closing.add_done_callback(_closing.discard)
 
     async def _close(self) -> None:
         with contextlib.suppress(BaseException):

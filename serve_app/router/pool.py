@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from serve_app.protocol import EngineRequest, EngineStats, KVEndpoint, Role
+from serve_app.protocol import EngineCallEndpoint, EngineRequest, EngineStats, KVEndpoint, Role
 from serve_app.router.balancer import EngineLoad, ScoreFn, decode_score, prefill_score, select
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.leak_audit import LeakAudit
@@ -47,20 +47,20 @@ class EnginePool:
     def open_stream(self, name: str, request: EngineRequest) -> Any:
         """Start a decode attempt's stream: ``__anext__`` for its events, ``cancel`` to end it."""
         endpoint = self._call_endpoint(name)
-        if endpoint is not None:
-            return self.client.stream(endpoint, request)  # type: ignore[union-attr]
+        if self.client is not None and endpoint is not None:
+            return self.client.stream(endpoint, request)
         return self.stream_handles[name].generate.remote(request)
 
     def start_prefill(self, name: str, request: EngineRequest) -> Any:
         """Start a prefill call: await it for its ``PrefillResult``, ``cancel`` to abort it."""
         endpoint = self._call_endpoint(name)
-        if endpoint is not None:
-            return self.client.call(endpoint, request)  # type: ignore[union-attr]
+        if self.client is not None and endpoint is not None:
+            return self.client.call(endpoint, request)
         return self.handles[name].run.remote(request)
 
-    def _call_endpoint(self, name: str) -> Any:
+    def _call_endpoint(self, name: str) -> EngineCallEndpoint | None:
         reported = self.reported.get(name)
-        return reported.call_endpoint if self.client is not None and reported is not None else None
+        return reported.call_endpoint if reported is not None else None
 
     def of_role(self, role: Role) -> list[EngineLoad]:
         return [load for load in self.loads.values() if load.role == role]
