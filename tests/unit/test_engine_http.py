@@ -308,6 +308,8 @@ def test_a_decode_stream_cut_mid_way_is_resumed_token_exact(engines_without_ray,
         app.service.pool.loads["decode-1"].healthy = True
         assert broken
         assert status == 200 and tokens_of(events) == expected(PROMPT, 300)
+        cut = [r["output_tokens"] for r in app.engines["decode-0"].runner.requests.values()]
+        assert len(cut) == 1 and 0 < cut[0] < 300, cut  # cut mid-way, the rest decoded elsewhere
 
     run(body, http_args(router={"max_attempts": 4}), tiny_tokenizer)
 
