@@ -17,7 +17,17 @@ from serve_app.protocol import EngineRejected, EngineRequest, KVReady, PrefillRe
 from serve_app.router.cdcp import engine_gone
 from serve_app.router.engine_client import EngineCallFailed, EngineUnreachable
 from tests.unit.inprocess import App
-from tests.unit.test_orchestration import PROMPT, args, completion, expected, leased, no_callbacks, tokens_of, wait_until
+from tests.unit.test_orchestration import (
+    PROMPT,
+    args,
+    completion,
+    expected,
+    leased,
+    long_streaming_client,
+    no_callbacks,
+    tokens_of,
+    wait_until,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -202,20 +212,7 @@ def test_a_client_disconnect_over_http_releases_everything(engines_without_ray, 
 
             runner.generate = stuck
         events: list = []
-
-        async def client() -> None:
-            response = await app.service.http("completions", json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode())
-
-            async def send(message: dict) -> None:
-                events.append(message)
-
-            async def receive() -> dict:
-                await asyncio.Event().wait()
-                return {}
-
-            await response({"type": "http"}, receive, send)
-
-        task = asyncio.ensure_future(client())
+        task = asyncio.ensure_future(long_streaming_client(app, events))
         if phase == "awaiting_kv":
             await wait_until(lambda: any(e.relay.pending for n, e in app.engines.items() if n.startswith("decode")))
         elif phase == "prefilling":

@@ -187,6 +187,21 @@ def test_request_deadline_ends_the_response_with_504(engines_without_ray, tiny_t
     run(body, tight, tiny_tokenizer)
 
 
+async def long_streaming_client(app: App, events: list) -> None:
+    """A client streaming a long completion that never disconnects by itself: cancel its task
+    to have it leave. What it is sent goes into ``events``."""
+    response = await app.service.http("completions", json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode())
+
+    async def send(message: dict) -> None:
+        events.append(message)
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    await response({"type": "http"}, receive, send)
+
+
 # ---------------------------------------------------------------------------- client disconnects
 @pytest.mark.parametrize("phase", ["awaiting_kv", "prefilling", "decoding"])
 def test_a_client_disconnect_in_each_phase_releases_everything(engines_without_ray, tiny_tokenizer, phase):
@@ -196,20 +211,7 @@ def test_a_client_disconnect_in_each_phase_releases_everything(engines_without_r
         if phase == "prefilling":
             app.faults["prefill-0"].hang = True
         events: list = []
-
-        async def client() -> None:
-            response = await app.service.http("completions", json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode())
-
-            async def send(message: dict) -> None:
-                events.append(message)
-
-            async def receive() -> dict:
-                await asyncio.Event().wait()
-                return {}
-
-            await response({"type": "http"}, receive, send)
-
-        task = asyncio.ensure_future(client())
+        task = asyncio.ensure_future(long_streaming_client(app, events))
         if phase == "awaiting_kv":
             await wait_until(
                 lambda: leased(app, "decode") and any(e.relay.pending for n, e in app.engines.items() if n.startswith("decode"))
