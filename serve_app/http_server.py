@@ -24,7 +24,14 @@ class _QuietServer(uvicorn.Server):
 
 
 def listening_socket(host: str, port: int, reuse_port: bool = False, backlog: int = 1024) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """A listening TCP socket whose accepted connections get ``TCP_NODELAY`` on any event loop.
+
+    uvloop sets it on every TCP connection; asyncio's own loop only on sockets whose protocol
+    number says TCP, and a socket made without one carries 0. Without it a kept-alive connection
+    stalls: a response written in two parts (headers, then body or a stream's next frame) holds
+    the second until the client acknowledges the first, which it delays by up to 40 ms. Ray's
+    workers run uvloop unless ``RAY_USE_UVLOOP=0``; the in-process tests run asyncio's loop."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         # Several router replicas on one host share the port; the kernel spreads connections.
