@@ -12,11 +12,14 @@ plan; each step's metadata then says which of its blocks the worker pushes durin
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import secrets
+import socket
+import threading
 import time
-import urllib.request
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +39,8 @@ logger = logging.getLogger("pd_serve.kv")
 
 METASERVER_RETRIES = 3
 METASERVER_TIMEOUT_S = 10.0
+# Reuse a connection only if idle for less than this: well inside the relay's keep-alive (5 s).
+METASERVER_MAX_IDLE_S = 2.0
 RECENT_TRANSFER_IDS = 8192  # ids remembered after their transfer ended, so none is armed twice
 
 
@@ -45,15 +50,73 @@ def post_metaserver(url: str, body: dict[str, Any]) -> None:
     data = json.dumps(body).encode()
     for attempt in range(1, METASERVER_RETRIES + 1):
         try:
-            req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"}, method="POST")
-            with urllib.request.urlopen(req, timeout=METASERVER_TIMEOUT_S) as resp:
-                resp.read()
+            _KEPT_ALIVE.post(url, data)
             return
         except Exception as exc:
             if attempt == METASERVER_RETRIES:
                 logger.warning("metaserver unreachable for %s: %r", body.get("request_id"), exc)
             else:
                 time.sleep(0.05 * attempt)
+
+
+class KeptAliveConnections:
+    """One kept-alive HTTP connection per poster thread and relay address.
+
+    The callback sits on the critical path of every disaggregated request, and it runs in the
+    engine core's process: a fresh connection per request (what ``urllib`` makes) costs a
+    handshake, a close and, on the 2-core development host, about 0.2 ms more of that process's
+    CPU per POST than a kept-alive one (500 POSTs in a row to the real relay: 471 against 270
+    µs). The relay (uvicorn) closes a connection idle for its keep-alive interval; one idle for
+    ``max_idle_s`` is not reused here, and a reused one that fails anyway is replaced at once,
+    before the caller's retries."""
+
+    def __init__(self, max_idle_s: float = METASERVER_MAX_IDLE_S) -> None:
+        self.max_idle_s = max_idle_s
+        self._local = threading.local()
+
+    def post(self, url: str, data: bytes) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"the metaserver URL must be http://host:port/path, not {url!r}")
+        key = (parts.hostname, parts.port or 80)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        cached: dict[tuple[str, int], tuple[http.client.HTTPConnection, float]] | None = getattr(self._local, "conns", None)
+        if cached is None:
+            cached = self._local.conns = {}
+        conn, last_used = cached.pop(key, (None, 0.0))
+        if conn is not None and time.monotonic() - last_used > self.max_idle_s:
+            conn.close()
+            conn = None
+        if conn is not None:
+            try:
+                status = _post_on(conn, path, data)
+            except (ConnectionError, http.client.HTTPException, OSError):
+                conn.close()  # the relay closed it meanwhile: a fresh connection, at once
+                conn = None
+        if conn is None:
+            conn = http.client.HTTPConnection(*key, timeout=METASERVER_TIMEOUT_S)
+            try:
+                conn.connect()
+                # Headers and body go out in two writes: without this the body waits for the
+                # relay's delayed acknowledgement of the headers (tens of ms).
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                status = _post_on(conn, path, data)
+            except BaseException:
+                conn.close()
+                raise
+        cached[key] = (conn, time.monotonic())
+        if status >= 400:
+            raise RuntimeError(f"the metaserver answered HTTP {status}")
+
+
+def _post_on(conn: http.client.HTTPConnection, path: str, data: bytes) -> int:
+    conn.request("POST", path, body=data, headers={"content-type": "application/json"})
+    response = conn.getresponse()
+    response.read()
+    return response.status
+
+
+_KEPT_ALIVE = KeptAliveConnections()
 
 
 @dataclass

@@ -151,6 +151,62 @@ def test_connector_callback_reaches_the_relay():
     run(body)
 
 
+def test_connector_callbacks_share_one_kept_alive_connection():
+    """The engine core posts each request's callback; on one poster thread they reuse one
+    connection instead of opening (and closing) one each."""
+    from serve_app.kv.scheduler_side import KeptAliveConnections
+
+    poster = KeptAliveConnections()
+
+    async def body(relay: MetaserverRelay):
+        state = relay._server._server.server_state
+        for i in range(3):
+            future, url = relay.expect(f"att-{i}")
+            data = json.dumps({**KV_PARAMS, "request_id": f"att-{i}"}).encode()
+            await asyncio.to_thread(poster.post, url, data)
+            assert (await asyncio.wait_for(future, TIMEOUT_S))["request_id"] == f"att-{i}"
+        assert state.total_requests == 3
+        assert len(state.connections) == 1  # still open, kept alive
+
+    run(body)
+
+
+def test_a_connection_the_server_closed_is_replaced_at_once():
+    """The relay closes idle connections (uvicorn's keep-alive): the next callback on that
+    connection fails to be read, and goes out again on a fresh one within the same call."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from serve_app.http_server import InReplicaServer, listening_socket
+    from serve_app.kv.scheduler_side import KeptAliveConnections
+
+    received: list[dict] = []
+
+    async def receive(request):
+        received.append(await request.json())
+        return JSONResponse({"status": "ok"})
+
+    async def main():
+        server = InReplicaServer(
+            Starlette(routes=[Route("/cb", receive, methods=["POST"])]), listening_socket("127.0.0.1", 0), keep_alive_s=0.1
+        )
+        url = f"http://127.0.0.1:{server.address[1]}/cb"
+        poster = KeptAliveConnections(max_idle_s=60.0)  # would reuse it: the server closes it first
+        try:
+            await asyncio.to_thread(poster.post, url, b'{"n": 1}')
+            await asyncio.sleep(0.5)
+            assert not server._server.server_state.connections  # the server closed it
+            await asyncio.to_thread(poster.post, url, b'{"n": 2}')
+            with pytest.raises(RuntimeError, match="HTTP 404"):
+                await asyncio.to_thread(poster.post, url + "/elsewhere", b"{}")
+        finally:
+            await server.stop()
+        assert received == [{"n": 1}, {"n": 2}]
+
+    asyncio.run(main())
+
+
 def test_stop_ends_the_server():
     async def main():
         relay = MetaserverRelay()
