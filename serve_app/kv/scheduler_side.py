@@ -90,7 +90,7 @@ class KeptAliveConnections:
         if conn is not None:
             try:
                 status = _post_on(conn, path, data)
-            except (ConnectionError, http.client.HTTPException, OSError):
+            except (http.client.HTTPException, OSError):
                 conn.close()  # the relay closed it meanwhile: a fresh connection, at once
                 conn = None
         if conn is None:

@@ -68,6 +68,7 @@ def test_accepted_connections_send_small_writes_at_once_on_asyncios_own_loop():
 
 
 def test_accepted_connections_send_small_writes_at_once_on_uvloop():
+    """Ray's workers run uvloop, the loop the app's servers run on: it must set it too."""
     uvloop = pytest.importorskip("uvloop")
     flags = uvloop.run(_accepted_nodelay())
     assert flags and all(flags)
