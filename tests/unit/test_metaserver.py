@@ -6,6 +6,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -157,18 +158,22 @@ def test_connector_callbacks_share_one_kept_alive_connection():
     from serve_app.kv.scheduler_side import KeptAliveConnections
 
     poster = KeptAliveConnections()
+    thread = ThreadPoolExecutor(max_workers=1)  # asyncio.to_thread could pick another thread each time
 
     async def body(relay: MetaserverRelay):
         state = relay._server._server.server_state
         for i in range(3):
             future, url = relay.expect(f"att-{i}")
             data = json.dumps({**KV_PARAMS, "request_id": f"att-{i}"}).encode()
-            await asyncio.to_thread(poster.post, url, data)
+            await asyncio.get_running_loop().run_in_executor(thread, poster.post, url, data)
             assert (await asyncio.wait_for(future, TIMEOUT_S))["request_id"] == f"att-{i}"
         assert state.total_requests == 3
         assert len(state.connections) == 1  # still open, kept alive
 
-    run(body)
+    try:
+        run(body)
+    finally:
+        thread.shutdown()
 
 
 def test_a_connection_the_server_closed_is_replaced_at_once():
@@ -193,17 +198,23 @@ def test_a_connection_the_server_closed_is_replaced_at_once():
         )
         url = f"http://127.0.0.1:{server.address[1]}/cb"
         poster = KeptAliveConnections(max_idle_s=60.0)  # would reuse it: the server closes it first
+        thread = ThreadPoolExecutor(max_workers=1)  # one poster thread, so one connection
+
+        async def post(target: str, data: bytes) -> None:
+            await asyncio.get_running_loop().run_in_executor(thread, poster.post, target, data)
+
         try:
-            await asyncio.to_thread(poster.post, url, b'{"n": 1}')
+            await post(url, b'{"n": 1}')
             for _ in range(100):  # the server closes it after 0.1 s idle
                 if not server._server.server_state.connections:
                     break
                 await asyncio.sleep(0.05)
             assert not server._server.server_state.connections
-            await asyncio.to_thread(poster.post, url, b'{"n": 2}')
+            await post(url, b'{"n": 2}')
             with pytest.raises(RuntimeError, match="HTTP 404"):
-                await asyncio.to_thread(poster.post, url + "/elsewhere", b"{}")
+                await post(url + "/elsewhere", b"{}")
         finally:
+            thread.shutdown()
             await server.stop()
         assert received == [{"n": 1}, {"n": 2}]
 
