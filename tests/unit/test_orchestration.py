@@ -47,20 +47,26 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
+async def play(response, sent: list) -> None:
+    """Run a Starlette response as its server would, for a client that never disconnects by
+    itself (cancel the task to have it leave); every ASGI message it sends goes into ``sent``."""
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    await response({"type": "http"}, receive, send)
+
+
 async def body_of(response) -> tuple[int, Any]:
     """(status, JSON body or the list of SSE events) of a Starlette response, consumed here."""
     if hasattr(response, "body_iterator"):
         events = []
         sent: list[dict] = []
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        async def receive() -> dict:
-            await asyncio.Event().wait()
-            return {}
-
-        await response({"type": "http"}, receive, send)
+        await play(response, sent)
         raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
         for block in raw.split("\n\n"):
             if block.startswith("data: "):
@@ -191,15 +197,7 @@ async def long_streaming_client(app: App, events: list) -> None:
     """A client streaming a long completion that never disconnects by itself: cancel its task
     to have it leave. What it is sent goes into ``events``."""
     response = await app.service.http("completions", json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode())
-
-    async def send(message: dict) -> None:
-        events.append(message)
-
-    async def receive() -> dict:
-        await asyncio.Event().wait()
-        return {}
-
-    await response({"type": "http"}, receive, send)
+    await play(response, events)
 
 
 # ---------------------------------------------------------------------------- client disconnects
