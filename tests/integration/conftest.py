@@ -21,14 +21,48 @@ import pytest
 import requests
 import yaml
 
+from serve_app.engines.backends import KV_PORT_STRIDE
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
 
 
-def free_port() -> int:
+# Ports the tests hand out for servers that bind them later (a router's HTTP port, once its
+# engines are up; a KV port block): below the kernel's ephemeral range, where bind(0) and
+# outgoing connections take ports (vLLM picks its internal ports with bind(0), then binds them
+# again later), so nothing started meanwhile takes one, and above Ray's worker ports
+# (10002-19999). A port handed out with bind(0) was taken that way once in CI: the router's
+# constructor failed three times on it and the app's deploy failed.
+_TEST_PORTS = range(20000, 32768)
+# Room for an app's KV side channels: four engines (test_cdcp's), KV_PORT_STRIDE ports each.
+KV_PORT_BLOCK = 4 * KV_PORT_STRIDE
+_handed_out: set[int] = set()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int = 1, align: int = 1) -> int:
+    """The first of ``count`` consecutive free ports (starting at a multiple of ``align``), never
+    handed out before in this session."""
+    start = _TEST_PORTS.start + (os.getpid() * 97) % (len(_TEST_PORTS) // 2)
+    start -= start % align
+    for first in range(start, _TEST_PORTS.stop - count, align):
+        block = range(first, first + count)
+        if not _handed_out.intersection(block) and all(_bindable(port) for port in block):
+            _handed_out.update(block)
+            return first
+    raise RuntimeError(f"no {count} free ports left in {_TEST_PORTS}")
+
+
+def free_port() -> int:
+    return free_ports()
 
 
 @dataclass
@@ -88,7 +122,11 @@ def deploy(
     port = free_port()
     router = args.get("router", {})
     args = {**args, "router": {**router, "http": {**router.get("http", {}), "host": "127.0.0.1", "port": port}}}
-    serve.run(build_app_with(args, plugins or Plugins()), name=name, route_prefix=route_prefix, blocking=False)
+    try:
+        serve.run(build_app_with(args, plugins or Plugins()), name=name, route_prefix=route_prefix, blocking=False)
+    except RuntimeError as exc:  # Serve names the failed deployments; their messages say why
+        deployments = serve.status().applications[name].deployments
+        raise RuntimeError(f"{exc}\n" + "\n".join(f"{d}: {s.status}: {s.message}" for d, s in deployments.items())) from exc
     app = DeployedApp(name=name, route_prefix=route_prefix, base_url=f"http://127.0.0.1:{port}", args=args)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -109,7 +147,7 @@ def deployed(cluster: Cluster, name: str, args: dict[str, Any], plugins: Any = N
     names them)."""
     from ray import serve
 
-    app = deploy(cluster, name, f"/{name}", {"kv_port_base": (free_port() // 16) * 16 % 50000 + 10000, **args}, plugins=plugins)
+    app = deploy(cluster, name, f"/{name}", {"kv_port_base": free_ports(KV_PORT_BLOCK, align=16), **args}, plugins=plugins)
     try:
         yield app
     finally:
