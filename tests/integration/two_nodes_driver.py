@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -37,10 +36,10 @@ def fail(message: str) -> None:
     sys.exit(1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The routers' ports, fixed: this runs in network namespaces of its own, and ports below the
+# kernel's ephemeral range are never handed out by bind(0) or connect() (vLLM, Ray and Serve bind
+# theirs that way while the apps start; a port picked with bind(0) beforehand can be taken).
+SERVE_PORT, PD_PORT, REF_PORT = 28000, 28001, 28002
 
 
 def token_pattern(length: int, seed: int) -> list[int]:
@@ -112,8 +111,8 @@ def main() -> None:
     nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
     if sorted(nodes) != ["198.18.0.1", NODE2]:
         fail(f"expected two nodes, Ray has {nodes}")
-    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": free_port()})
-    pd_port, ref_port = free_port(), free_port()
+    serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+    pd_port, ref_port = PD_PORT, REF_PORT
     serve.run(build_app(app_args("pd", pd_port, True)), name="pd", route_prefix="/pd", blocking=False)
     serve.run(build_app(app_args("ref", ref_port, False)), name="ref", route_prefix="/ref", blocking=False)
     pd, ref = f"http://127.0.0.1:{pd_port}", f"http://127.0.0.1:{ref_port}"
