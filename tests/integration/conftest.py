@@ -31,8 +31,9 @@ SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
 # engines are up; a KV port block): below the kernel's ephemeral range, where bind(0) and
 # outgoing connections take ports (vLLM picks its internal ports with bind(0), then binds them
 # again later), so nothing started meanwhile takes one, and above Ray's worker ports
-# (10002-19999). A port handed out with bind(0) was taken that way once in CI: the router's
-# constructor failed three times on it and the app's deploy failed.
+# (10002-19999). With ports handed out by bind(0), CI once saw a router's constructor fail three
+# times and its app's deploy fail; a port taken meanwhile is the likeliest cause (the log did not
+# show the constructor's error; ``deploy`` now prints it).
 _TEST_PORTS = range(20000, 32768)
 # Room for an app's KV side channels: four engines (test_cdcp's), KV_PORT_STRIDE ports each.
 KV_PORT_BLOCK = 4 * KV_PORT_STRIDE

@@ -112,10 +112,9 @@ def main() -> None:
     if sorted(nodes) != ["198.18.0.1", NODE2]:
         fail(f"expected two nodes, Ray has {nodes}")
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-    pd_port, ref_port = PD_PORT, REF_PORT
-    serve.run(build_app(app_args("pd", pd_port, True)), name="pd", route_prefix="/pd", blocking=False)
-    serve.run(build_app(app_args("ref", ref_port, False)), name="ref", route_prefix="/ref", blocking=False)
-    pd, ref = f"http://127.0.0.1:{pd_port}", f"http://127.0.0.1:{ref_port}"
+    serve.run(build_app(app_args("pd", PD_PORT, True)), name="pd", route_prefix="/pd", blocking=False)
+    serve.run(build_app(app_args("ref", REF_PORT, False)), name="ref", route_prefix="/ref", blocking=False)
+    pd, ref = f"http://127.0.0.1:{PD_PORT}", f"http://127.0.0.1:{REF_PORT}"
     wait_healthy(pd)
     wait_healthy(ref)
     engines = requests.get(pd + "/pd/engines", timeout=10).json()["engines"]
