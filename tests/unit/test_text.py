@@ -65,3 +65,41 @@ def test_multibyte_characters_wait_for_their_last_token(tiny_tokenizer):
     pieces = [stream.push(t) for t in ids]
     assert "".join(pieces) == "日本"
     assert "" in pieces
+
+
+def test_stream_primed_with_a_prompt_suffix_decodes_as_one_primed_with_the_whole_prompt(tiny_tokenizer):
+    """The stream is primed with a short suffix of the prompt (priming_ids); for any prompt and
+    output, even random byte-level ids with characters split across tokens, it yields the same
+    pieces as a stream primed with every prompt token."""
+    import random
+
+    from tokenizers.decoders import DecodeStream
+
+    from serve_app.router.text import PRIMING_MAX_TOKENS, priming_ids
+
+    backend = tiny_tokenizer._tokenizer
+    vocab = backend.get_vocab_size()
+    rng = random.Random(0)
+    primed_short = 0
+    for _ in range(200):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 300))]
+        output = [rng.randrange(vocab) for _ in range(40)]
+        whole = DecodeStream(ids=list(prompt), skip_special_tokens=True)
+        expected = [whole.step(backend, t) or "" for t in output]
+        stream = DecodeTextStream(tiny_tokenizer, prompt)
+        assert [stream.push(t) for t in output] == expected
+        primed_short += len(priming_ids(backend, prompt)) <= PRIMING_MAX_TOKENS < len(prompt)
+    assert primed_short > 50  # the suffix path was taken, not only the whole prompt
+
+
+def test_priming_ids_starts_on_a_character_boundary(tiny_tokenizer):
+    from serve_app.router.text import PRIMING_MAX_TOKENS, PRIMING_MIN_TOKENS, priming_ids
+
+    backend = tiny_tokenizer._tokenizer
+    # One token per byte for CJK in the tiny vocabulary: a 4-token suffix would start inside 日.
+    prompt = tiny_tokenizer.encode("a long enough prompt about the river 日本", add_special_tokens=False)
+    suffix = priming_ids(backend, prompt)
+    assert PRIMING_MIN_TOKENS < len(suffix) <= PRIMING_MAX_TOKENS and suffix == prompt[-len(suffix) :]
+    assert backend.decode(suffix).endswith("日本") and "\ufffd" not in backend.decode(suffix)
+    assert "\ufffd" in backend.decode(prompt[-len(suffix) + 1 :])  # one token shorter starts mid-character
+    assert priming_ids(backend, prompt[:3]) == prompt[:3]  # shorter than the minimum: all of it
