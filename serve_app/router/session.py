@@ -67,14 +67,34 @@ class ResponseSession:
     # ------------------------------------------------------------------ client-facing
     async def stream_events(self) -> AsyncIterator[dict[str, Any]]:
         """Stream chunks; a failure ends the stream with an error event."""
+        async for batch in self.event_batches():
+            for event in batch:
+                yield event
+
+    async def event_batches(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """The stream's events, grouped as they become ready together: one step's chunks (chat:
+        the role delta with the first text), and the usage chunk with the step that finishes the
+        response, so that an HTTP stream sends each group in one write. Once a group leaves with
+        ``finished`` set, what follows waits on no engine."""
+        usage_due = self.request.include_usage
         async for emission in self.emissions():
-            for chunk in self.framer.chunks(emission):
-                yield chunk
+            batch = self.framer.chunks(emission)
             if emission.error is not None:
-                yield self._error(emission)
+                batch.append(self._error(emission))
+                yield batch
                 return
-        if self.request.include_usage:
-            yield self.framer.usage_chunk(self.machine.prompt_tokens, self.machine.completion_tokens)
+            if usage_due and self.machine.finished:
+                usage_due = False
+                batch.append(self.framer.usage_chunk(self.machine.prompt_tokens, self.machine.completion_tokens))
+            if batch:
+                yield batch
+        if usage_due:
+            yield [self.framer.usage_chunk(self.machine.prompt_tokens, self.machine.completion_tokens)]
+
+    @property
+    def finished(self) -> bool:
+        """The response's outcome is decided: nothing it still sends waits on an engine."""
+        return self.machine.finished
 
     async def final_response(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of a non-streaming request."""

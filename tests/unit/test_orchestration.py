@@ -107,6 +107,37 @@ def test_a_completion_through_every_hop(engines_without_ray, tiny_tokenizer, mod
     run(body, args(router={"mode": mode}), tiny_tokenizer)
 
 
+def test_a_stream_writes_what_is_ready_together_in_one_message(engines_without_ray, tiny_tokenizer):
+    """Each body message the router sends is a group of events ready together: the chat role
+    delta with the first text, and the last text with the usage chunk and [DONE], which also
+    ends the response (no empty last message)."""
+
+    def messages_of(sent: list) -> list[list]:
+        bodies = [m for m in sent if m["type"] == "http.response.body"]
+        assert [m["more_body"] for m in bodies] == [True] * (len(bodies) - 1) + [False]
+        return [[b[6:] for b in m["body"].decode().split("\n\n") if b.startswith("data: ")] for m in bodies]
+
+    async def body(app: App) -> None:
+        for route, raw in (
+            ("completions", {"prompt": PROMPT, "max_tokens": 12}),
+            ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}),
+        ):
+            raw = {**raw, "stream": True, "stream_options": {"include_usage": True}}
+            sent: list[dict] = []
+            await play(await app.service.http(route, json.dumps(raw).encode()), sent)
+            messages = messages_of(sent)
+            assert all(messages), messages  # no message without an event
+            *_, last_text, usage, done = messages[-1]
+            assert json.loads(last_text)["choices"][0]["finish_reason"] == "length"
+            assert json.loads(usage)["usage"]["completion_tokens"] == 12 and done == "[DONE]"
+            if route == "chat":
+                role, first_text, *_ = messages[0]
+                assert json.loads(role)["choices"][0]["delta"]["role"] == "assistant"
+                assert json.loads(first_text)["choices"][0]["delta"]["content"] is not None
+
+    run(body, args(), tiny_tokenizer)
+
+
 async def wait_until(predicate, timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
