@@ -1,7 +1,7 @@
 """pd-serve against vLLM's own OpenAI server, in one run, with vLLM's own benchmark client.
 
 Usage: ``.venv/bin/python scripts/bench_serving.py [--targets vllm,colocated,disaggregated,mock,mock-colocated]
-[--quick] [--repeat N] [--out bench.json]`` (after ``make run`` or ``make test`` set up the venv
+[--quick] [--rounds N] [--repeat N] [--out bench.json]`` (after ``make run`` or ``make test`` set up the venv
 and the tiny model; stop ``make run`` first: every target here is started and stopped by this
 script, one at a time, on free ports).
 
@@ -16,13 +16,16 @@ Targets, each started as a user would start it:
 * ``mock-colocated``: the same, colocated on one mock decode engine: the router alone.
 
 Each is driven by ``vllm.benchmarks.serve`` (random dataset, ``--ignore-eos``, temperature 0) at
-concurrency 1, 8 and 32 after a short warm-up that is not recorded, each workload ``--repeat``
-times in a row (default 3; the table shows the run with the median throughput, and lists every
-repetition's). The script prints one table with ratios to vLLM's server, the CPU seconds of each
-kind of process during that run (router, HTTP proxy, engine replica or API server, engine core,
-worker, Ray's own), the router's CPU microseconds per output token, and for the mocks: the TTFT
-the router adds over a direct streaming call to the same mock decode engine (colocated: the
-router's own share; disaggregated: with the KVReady callback and the prefill call).
+concurrency 1, 8 and 32 after a short warm-up that is not recorded. Targets take turns: each round
+starts every target once and runs each workload ``--repeat`` times on it (default 3 rounds of 1), so
+that a slow spell of the shared host, which lasts minutes to hours, is less likely to fall on one
+target only (one start after another, the first target's runs could all meet it). The script prints
+one table with ratios to vLLM's server (of the run with the median throughput among all rounds,
+every run's listed beside it), the ratios round by round, the CPU seconds of each kind of process
+during the median run (router, HTTP proxy, engine replica or API server, engine core, worker, Ray's
+own), the router's CPU microseconds per output token, and for the mocks: the TTFT the router adds
+over a direct streaming call to the same mock decode engine (colocated: the router's own share;
+disaggregated: with the KVReady callback and the prefill call).
 Timings compare targets within one run on one machine; they are not claims about other hosts.
 """
 
@@ -299,6 +302,32 @@ def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return chosen
 
 
+def merge_rounds(rounds: list[dict[str, dict[str, Any]]], workloads: list[Workload]) -> dict[str, dict[str, Any]]:
+    """One result per target from its starts in every round (``run_target``'s): each workload's
+    median run among all of them, the host speed around every start, and, for the mocks, the
+    median router-added TTFT. ``paired`` keeps each round's median throughput, so that a ratio
+    can be taken between targets run minutes apart rather than between whole runs."""
+    merged: dict[str, dict[str, Any]] = {}
+    for target in rounds[0]:
+        starts = [r[target] for r in rounds]
+        result: dict[str, Any] = {"host_speed": [speed for start in starts for speed in start["host_speed"]]}
+        for w in workloads:
+            result[w.name] = representative([run for start in starts for run in start[w.name]])
+            result[w.name]["paired"] = [representative(start[w.name])["result"].get("output_throughput") for start in starts]
+        added = [start["router_added_ttft"] for start in starts if "router_added_ttft" in start]
+        if added:
+            result["router_added_ttft"] = {k: statistics.median(a[k] for a in added) for k in added[0]}
+        merged[target] = result
+    return merged
+
+
+def paired_ratios(results: dict[str, dict[str, Any]], target: str, workload: str) -> list[float]:
+    """Round by round, ``target``'s output throughput over vLLM's server's in the same round."""
+    ours = results[target][workload].get("paired") or []
+    theirs = results["vllm"][workload].get("paired") or []
+    return [a / b for a, b in zip(ours, theirs) if a and b]
+
+
 def host_speed() -> dict[str, float]:
     """The idle host's speed, timed before and after each target: the development host drifts
     (other machines share its physical cores), and a target measured in a slow spell reads worse
@@ -361,6 +390,8 @@ def cross_core_round_trip_us(rounds: int = 2000, samples: int = 5) -> float:
 
 
 def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path, repeat: int = 1) -> dict[str, Any]:
+    """One start of ``target``: the warm-up, then each workload ``repeat`` times in a row; every
+    run kept (``merge_rounds`` picks the one to show)."""
     from serve_app.config import load_config
 
     port = free_port()
@@ -391,7 +422,7 @@ def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path
                     f"== {target} {workload.name}: {result.get('output_throughput', 0):.0f} tok/s, failed {result.get('failed')}",
                     file=sys.stderr,
                 )
-            results[workload.name] = representative(runs)
+            results[workload.name] = runs
         if target.startswith("mock"):
             results["router_added_ttft"] = router_added_ttft_in_child(port)
     results["host_speed"].append(host_speed())
@@ -487,6 +518,16 @@ def report(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> str
     ]
     if spread:
         lines += ["Output tok/s of each repetition, in the order run (the table shows the median one):", *spread, ""]
+    rounds = max((len(results[t][w.name].get("paired") or []) for t in targets for w in workloads if w.name in results[t]), default=0)
+    if "vllm" in results and rounds > 1:
+        lines.append(f"Ratios to vLLM's server round by round (each target started once a round, {rounds} rounds; median first):")
+        for t in targets:
+            for w in workloads:
+                ratios = paired_ratios(results, t, w.name) if t != "vllm" else []
+                if ratios:
+                    each = " ".join(f"{r:.2f}x" for r in ratios)
+                    lines.append(f"  {t:<15}{w.name:<8}{statistics.median(ratios):.2f}x   ({each})")
+        lines.append("")
     lines.append("CPU seconds per process kind during the median run (router µs per output token in the last column)")
     head = f"{'target':<15}{'workload':<8}" + "".join(f"{k:>15}" for k in CPU_KINDS) + f"{'router µs/tok':>15}"
     lines += [head, "-" * len(head)]
@@ -530,8 +571,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--repeat",
         type=int,
-        default=3,
-        help="runs of each workload in a row on each target; the table shows the median run (default 3)",
+        default=1,
+        help="runs of each workload in a row on each start of a target (default 1); the table shows the median run of all rounds",
     )
     parser.add_argument(
         "--set",
@@ -546,6 +587,13 @@ def main(argv: list[str]) -> int:
         default=REPO_ROOT,
         help="the pd-serve checkout whose app is served (default: this one; e.g. a worktree of an older commit)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="start every target once per round, round after round, so that each target meets the host's "
+        "slow and fast spells alike (default 3; ratios are also shown round by round)",
+    )
     parser.add_argument("--router-added-ttft", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.router_added_ttft:  # the child of router_added_ttft_in_child
@@ -557,11 +605,13 @@ def main(argv: list[str]) -> int:
     for item in args.set:
         key, _, value = item.partition("=")
         OVERRIDES[key] = json.loads(value)
-    results: dict[str, dict[str, Any]] = {}
+    rounds: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="pdbench-") as tmp:
         workdir = Path(tmp)
-        for target in args.targets.split(","):
-            results[target] = run_target(target, workloads, workdir, args.repo.resolve(), args.repeat)
+        for number in range(1, args.rounds + 1):
+            print(f"== round {number} of {args.rounds}", file=sys.stderr)
+            rounds.append({t: run_target(t, workloads, workdir, args.repo.resolve(), args.repeat) for t in args.targets.split(",")})
+        results = merge_rounds(rounds, workloads)
         table = report(results, workloads)
     print(table)
     if args.out:

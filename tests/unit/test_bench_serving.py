@@ -95,3 +95,33 @@ def test_a_dotted_override_changes_one_nested_field_and_keeps_the_rest(bench):
         "router": {"mode": "colocated"},
         "replica_cpus": "all",
     }
+
+
+def test_rounds_merge_into_the_median_run_of_all_starts_with_ratios_round_by_round(bench):
+    """Each target is started once a round; the table shows the median run over every round, and
+    the ratio to vLLM's server is also taken within each round (targets run minutes apart)."""
+    workloads = [bench.Workload("c=8", 8, 256, 64, 16)]
+    speed = [{"loop_ms": 50.0, "wakeup_us": 40.0}, {"loop_ms": 51.0, "wakeup_us": 41.0}]
+    rounds = [
+        {"vllm": {"host_speed": speed, "c=8": [run(4000)]}, "disaggregated": {"host_speed": speed, "c=8": [run(3000)]}},
+        {"vllm": {"host_speed": speed, "c=8": [run(1000)]}, "disaggregated": {"host_speed": speed, "c=8": [run(1500, failed=1)]}},
+        {"vllm": {"host_speed": speed, "c=8": [run(2000)]}, "disaggregated": {"host_speed": speed, "c=8": [run(1800)]}},
+    ]
+    results = bench.merge_rounds(rounds, workloads)
+    assert results["vllm"]["c=8"]["result"]["output_throughput"] == 2000
+    assert results["disaggregated"]["c=8"]["result"]["output_throughput"] == 1800
+    assert results["disaggregated"]["c=8"]["result"]["failed"] == 1  # a failure in any round counts
+    assert results["disaggregated"]["c=8"]["repetitions"] == [3000, 1500, 1800]
+    assert len(results["vllm"]["host_speed"]) == 6  # before and after every start
+    assert bench.paired_ratios(results, "disaggregated", "c=8") == [0.75, 1.5, 0.9]
+    table = bench.report(results, workloads)
+    assert "1800.0 (0.90x)" in table  # the medians' ratio
+    assert "  disaggregated  c=8     0.90x   (0.75x 1.50x 0.90x)" in table  # the median of the rounds' ratios
+
+
+def test_the_mocks_router_added_ttft_is_the_median_over_rounds(bench):
+    workloads = [bench.Workload("c=8", 8, 256, 64, 16)]
+    speed = [{"loop_ms": 50.0, "wakeup_us": 40.0}]
+    added = [1.0, 3.0, 2.0]
+    rounds = [{"mock": {"host_speed": speed, "c=8": [run(9000)], "router_added_ttft": {"router_added_ttft_p50_ms": a}}} for a in added]
+    assert bench.merge_rounds(rounds, workloads)["mock"]["router_added_ttft"] == {"router_added_ttft_p50_ms": 2.0}
