@@ -85,11 +85,14 @@ class ResponseSession:
                 return
             if usage_due and self.machine.finished:
                 usage_due = False
-                batch.append(self.framer.usage_chunk(self.machine.prompt_tokens, self.machine.completion_tokens))
+                batch.append(self._usage_chunk())
             if batch:
                 yield batch
         if usage_due:
-            yield [self.framer.usage_chunk(self.machine.prompt_tokens, self.machine.completion_tokens)]
+            yield [self._usage_chunk()]
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        return self.framer.usage_chunk(self.machine.prompt_tokens, self.machine.completion_tokens)
 
     @property
     def finished(self) -> bool:
