@@ -591,8 +591,8 @@ def main(argv: list[str]) -> int:
         "--rounds",
         type=int,
         default=3,
-        help="start every target once per round, round after round, so that each target meets the host's "
-        "slow and fast spells alike (default 3; ratios are also shown round by round)",
+        help="start every target once per round, round after round, so that a slow spell of the host is less "
+        "likely to fall on one target only (default 3; ratios are also shown round by round)",
     )
     parser.add_argument("--router-added-ttft", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
