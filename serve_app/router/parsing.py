@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.router.errors import OpenAIError, bad_request
+from serve_app.router.text import PromptEncoder
 
 Route = Literal["completions", "chat"]
 
@@ -38,6 +39,10 @@ class ModelContext:
     max_model_len: int
     vocab_size: int
     tokenizer: Any
+    encode: PromptEncoder = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.encode = PromptEncoder(self.tokenizer)
 
     def accepts(self, model: str | None) -> bool:
         return model is None or model == self.name or model in self.aliases
@@ -227,7 +232,7 @@ def _completion_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
             raise bad_request(f"One prompt per request is supported, got {len(prompt)}", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = list(ctx.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens))
+        ids = ctx.encode(prompt, request.add_special_tokens)
     else:
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
@@ -257,7 +262,7 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
     except Exception as exc:  # a template error is the request's fault (bad roles, kwargs)
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
     # The template writes the special tokens (BOS) itself.
-    ids = list(ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
+    ids = ctx.encode(text, request.add_special_tokens)
     if not ids:
         raise bad_request("The rendered prompt is empty", param="messages")
     return ids

@@ -92,6 +92,35 @@ def test_stream_primed_with_a_prompt_suffix_decodes_as_one_primed_with_the_whole
     assert primed_short > 50  # the suffix path was taken, not only the whole prompt
 
 
+def test_prompt_encoder_gives_the_tokenizers_own_ids(tiny_tokenizer):
+    """The Rust fast path gives exactly what ``tokenizer.encode`` gives, with and without special
+    tokens, for text that spells special tokens, odd spacing and multi-byte characters."""
+    import random
+
+    from serve_app.router.text import PromptEncoder
+
+    encode = PromptEncoder(tiny_tokenizer)
+    assert encode._backend is not None  # the fast path is the one under test
+    pieces = ["<s>", "</s>", "<unk>", " ", "  ", "\n", "\t", "river", "Café", "naïve", "日本", "🙂", "a", "ab", ".", "'s", "123"]
+    rng = random.Random(2)
+    texts = ["", " ", "hello world", "<s>hello</s>"]
+    texts += ["".join(rng.choice(pieces) for _ in range(rng.randrange(1, 60))) for _ in range(300)]
+    for text in texts:
+        for special in (True, False):
+            assert encode(text, special) == tiny_tokenizer.encode(text, add_special_tokens=special), (text, special)
+
+
+def test_prompt_encoder_falls_back_to_encode_without_a_rust_tokenizer():
+    from serve_app.router.text import PromptEncoder
+
+    class SlowTokenizer:
+        def encode(self, text, add_special_tokens=True):
+            return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    encode = PromptEncoder(SlowTokenizer())
+    assert encode("ab") == [1, 97, 98] and encode("ab", False) == [97, 98]
+
+
 def test_priming_ids_starts_on_a_character_boundary(tiny_tokenizer):
     from serve_app.router.text import PRIMING_MAX_TOKENS, PRIMING_MIN_TOKENS, priming_ids
 
