@@ -306,6 +306,8 @@ class MockEngine:
             if seq.cached_tokens < seq.tokens:
                 async with self._compute:
                     await asyncio.sleep(self.costs.prefill_s_per_token * (seq.tokens - seq.cached_tokens))
+                if seq.finish_reason is not None:  # aborted during its prefill: it never runs
+                    continue
             self._running.append(seq)
             used += seq.tokens
 

@@ -37,3 +37,27 @@ def test_an_ending_while_the_consumer_is_away_still_reaches_it() -> None:
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_request_aborted_during_its_prefill_never_joins_the_batch() -> None:
+    """An abort while the engine pays for the prompt finishes the request; it must not then run
+    (and hold KV) as if nothing happened."""
+
+    async def main() -> None:
+        engine = MockEngine("decode-0", "decode", MockCosts(0.001, 0.001, 100_000, 8), None, recompute=True)
+        await engine.start()
+        try:
+            params = encode_sampling(SamplingParams(max_tokens=1000, temperature=0.0, detokenize=False))
+            stream = engine.generate(EngineRequest("r1", list(range(1, 201)), params, None))  # a 0.2 s prefill
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.1)
+            await engine.abort("r1")
+            assert (await asyncio.wait_for(first, 5)).finish_reason == "abort"
+            await asyncio.sleep(0.2)  # past the prefill's end
+            assert engine.stats().num_running == 0
+            await stream.aclose()
+            assert engine.stats().inflight == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
