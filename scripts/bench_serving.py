@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -89,9 +90,30 @@ QUICK = [Workload("c=1", 1, 32, 16, 12), Workload("c=8", 8, 256, 64, 32), Worklo
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, below the kernel's range of ephemeral ports. A port the kernel hands out
+    for ``bind(0)`` lies in that range, where it may become the local end of an outgoing
+    connection (Ray's processes open many) before the server binds it: a router replica then
+    failed its start on "Address already in use" until the benchmark gave up (seen once in a
+    full run)."""
+    low = ephemeral_port_range()[0]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found in 10000-{low}")
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def base_env() -> dict[str, str]:
@@ -154,6 +176,14 @@ def cpu_by_kind(before: dict[int, tuple[str, float]], after: dict[int, tuple[str
     return totals
 
 
+def log_tail(log: Path, lines: int = 40) -> str:
+    """The end of a start's log, for the error: the log's folder is removed when the run ends."""
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+
+
 @contextlib.contextmanager
 def started(cmd: list[str], env: dict[str, str], log: Path, health_url: str, repo: Path, timeout_s: float = 300) -> Iterator[None]:
     """A server process started in its own session from ``repo``, healthy before the body runs,
@@ -165,12 +195,12 @@ def started(cmd: list[str], env: dict[str, str], log: Path, health_url: str, rep
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log}")
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; its log ends:\n{log_tail(log)}")
             with contextlib.suppress(requests.RequestException):
                 if requests.get(health_url, timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{' '.join(cmd)} not healthy within {timeout_s}s; see {log}")
+                raise TimeoutError(f"{' '.join(cmd)} not healthy within {timeout_s}s; its log ends:\n{log_tail(log)}")
             time.sleep(1)
         yield
     finally:

@@ -125,3 +125,26 @@ def test_the_mocks_router_added_ttft_is_the_median_over_rounds(bench):
     added = [1.0, 3.0, 2.0]
     rounds = [{"mock": {"host_speed": speed, "c=8": [run(9000)], "router_added_ttft": {"router_added_ttft_p50_ms": a}}} for a in added]
     assert bench.merge_rounds(rounds, workloads)["mock"]["router_added_ttft"] == {"router_added_ttft_p50_ms": 2.0}
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_can_be_bound(bench):
+    """A port from the ephemeral range can be taken by an outgoing connection before the server
+    binds it; the benchmark's ports come from below it."""
+    import socket
+
+    low, _ = bench.ephemeral_port_range()
+    for _ in range(20):
+        port = bench.free_port()
+        assert 10000 <= port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_failed_start_reports_the_end_of_its_log(bench, tmp_path):
+    import sys
+
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-c", "print('starting'); print('OSError: [Errno 98] Address already in use'); raise SystemExit(3)"]
+    with pytest.raises(RuntimeError, match="Address already in use"):
+        with bench.started(cmd, {}, log, "http://127.0.0.1:9/health", bench.REPO_ROOT, timeout_s=30):
+            pass
