@@ -89,23 +89,26 @@ WARM_UP = [Workload("warm-up c=1", 1, 32, 16, 8), Workload("warm-up c=8", 8, 256
 QUICK = [Workload("c=1", 1, 32, 16, 12), Workload("c=8", 8, 256, 64, 32), Workload("c=32", 32, 256, 64, 64)]
 
 
+FIRST_FREE_PORT = 20000  # above Ray's worker ports
+
+
 def free_port() -> int:
-    """A port free now, below the kernel's range of ephemeral ports. A port the kernel hands out
-    for ``bind(0)`` lies in that range, where it may become the local end of an outgoing
-    connection (Ray's processes open many) before the server binds it: a router replica then
-    failed its start on "Address already in use" until the benchmark gave up (seen once in a
-    full run)."""
+    """A port free now, between Ray's worker ports (10002-19999 by default, which its workers bind
+    as they start) and the kernel's range of ephemeral ports: a port the kernel hands out for
+    ``bind(0)`` lies in that range, where it may become the local end of an outgoing connection
+    (Ray's processes open many) before the server binds it; a router replica then failed its start
+    on "Address already in use" until the benchmark gave up (seen once in a full run). The
+    integration tests take their ports from the same range (tests/integration/conftest.py)."""
     low = ephemeral_port_range()[0]
-    rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(10000, max(10001, low))
+        port = random.randrange(FIRST_FREE_PORT, max(FIRST_FREE_PORT + 1, low))
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port found in 10000-{low}")
+    raise RuntimeError(f"no free port found in {FIRST_FREE_PORT}-{low}")
 
 
 def ephemeral_port_range() -> tuple[int, int]:
