@@ -12,6 +12,7 @@ from serve_app.engines.backends import BACKENDS, EngineSpec
 from serve_app.engines.call_server import EngineCallServer
 from serve_app.engines.kv_endpoint import settle_kv_endpoint, side_channel_host
 from serve_app.engines.pacing import StreamPacer
+from serve_app.gc_heap import freeze_startup_heap
 from serve_app.logs import quiet_cancelled_requests, serve_log_file_kept, to_serve_logs
 from serve_app.metrics import engine_metrics
 from serve_app.protocol import EngineStats, KVEndpoint
@@ -58,6 +59,7 @@ class EngineServer:
         self._gauge_task = asyncio.get_running_loop().create_task(self._report_gauges())
         # Last: the router learns of it from the stats, and then its calls may come at once.
         self.call_server = EngineCallServer(side_channel_host(), self) if spec.call_server else None
+        freeze_startup_heap(f"engine replica {spec.name}")
 
     async def _report_gauges(self) -> None:
         while True:

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app.config import load_config
 from serve_app.cpu_placement import keep_off_engine_cores
 from serve_app.engines.backends import engine_specs
+from serve_app.gc_heap import freeze_startup_heap
 from serve_app.logs import quiet_cancelled_requests, to_serve_logs
 from serve_app.metrics import router_metrics
 from serve_app.router.direct_http import serve_openai
@@ -106,6 +107,7 @@ class Router:
         self.service.start()
         http = self.service.config.router.http
         self.http = serve_openai(self.service, http.host, http.port) if http.port else None
+        freeze_startup_heap("router replica")
 
     # ------------------------------------------------------------------ HTTP routes
     @http_app.post("/v1/completions")

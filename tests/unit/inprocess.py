@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import ray.exceptions
 
@@ -222,7 +223,9 @@ class App:
         for spec in engine_specs(config):
             deployment = (Prefill if spec.role == "prefill" else Decode).func_or_class
             engine = deployment.__new__(deployment)
-            await engine.__init__(spec)
+            # A replica freezes its process's heap once started; the test process is not theirs.
+            with mock.patch("serve_app.engines.server.freeze_startup_heap"):
+                await engine.__init__(spec)
             app.engines[spec.name] = engine
             app.faults[spec.name] = Faults()
             handles[spec.name] = (spec.role, FakeHandle(engine, app.faults[spec.name]))
