@@ -193,32 +193,65 @@ class AttemptRun:
         timeouts = executor.timeouts
         self.deadline: float | None = self.started + (timeouts.kv_ready_s if plan.disaggregated else timeouts.first_token_s)
 
-    def _next(self) -> None:
-        self.next_item = asyncio.ensure_future(self.stream.__anext__())
-
     async def events(self) -> AsyncIterator[AttemptEvent]:
-        self._next()
         while True:
-            waiting: set[asyncio.Future] = {self.next_item}  # type: ignore[arg-type]
-            if self.prefill_task is not None:
-                waiting.add(self.prefill_task)
-            deadlines = [d for d in (self.deadline, self.request_deadline) if d is not None]
-            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                yield self._timed_out()
-                return
-            if self.prefill_task is not None and self.prefill_task in done:
-                event = self._prefill_outcome()
-                yield event
-                if isinstance(event, AttemptFailed):
+            if self.prefill_task is None and self.next_item is None:
+                read = await self._read_stream()
+                if read is None:
+                    yield self._timed_out()
                     return
-            if self.next_item in done:
-                async for event in self._decode_item():
+            else:
+                # A prefill call is running: whichever of it and the stream's next item comes
+                # first. The stream's read is a task of its own here, kept across iterations.
+                if self.next_item is None:
+                    self.next_item = asyncio.ensure_future(self.stream.__anext__())
+                waiting: set[asyncio.Future] = {self.next_item}
+                if self.prefill_task is not None:
+                    waiting.add(self.prefill_task)
+                done, _ = await asyncio.wait(waiting, timeout=self._time_left(), return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    yield self._timed_out()
+                    return
+                if self.prefill_task is not None and self.prefill_task in done:
+                    event = self._prefill_outcome()
                     yield event
-                    if isinstance(event, AttemptFailed) or (isinstance(event, DeltaEvent) and event.delta.finish_reason):
+                    if isinstance(event, AttemptFailed):
                         return
-                self._next()
+                if self.next_item not in done:
+                    continue
+                future, self.next_item = self.next_item, None
+                read = _outcome_of(future)
+            async for event in self._decode_item(*read):
+                yield event
+                if isinstance(event, AttemptFailed) or (isinstance(event, DeltaEvent) and event.delta.finish_reason):
+                    return
+
+    async def _read_stream(self) -> tuple[Any, BaseException | None] | None:
+        """The stream's next item, or the error that ended it; None once a deadline has passed.
+
+        With no prefill call to race, the stream is read here, in the attempt's own task, not
+        through a task and an ``asyncio.wait`` per item (7% of the router's time in a profile on
+        the mock engine at c=32). Items the engine sent while the router was busy are then read
+        without a turn of the event loop between them, so their chunks leave in one write
+        (``service.sse_body`` lets the first one go alone). A cancellation (the client gone)
+        goes through the read into the stream, as it went into the read's task; ``close``
+        cancels the stream either way."""
+        left = self._time_left()
+        scope = None
+        try:
+            if left is None:
+                return await self.stream.__anext__(), None
+            async with asyncio.timeout(left) as scope:
+                return await self.stream.__anext__(), None
+        except Exception as exc:  # StopAsyncIteration too: the stream ended
+            if scope is not None and scope.expired():
+                return None
+            return None, exc
+
+    def _time_left(self) -> float | None:
+        """Seconds to the earlier of the phase's and the request's deadlines (None: no deadline)."""
+        deadlines = [d for d in (self.deadline, self.request_deadline) if d is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _timed_out(self) -> AttemptFailed:
         if self.request_deadline is not None and time.monotonic() >= self.request_deadline:
@@ -241,17 +274,14 @@ class AttemptRun:
             self.deadline = time.monotonic() + self.executor.timeouts.first_token_s
         return PrefillDoneEvent(self.prefill, task.result())
 
-    async def _decode_item(self) -> AsyncIterator[AttemptEvent]:
-        assert self.next_item is not None
-        try:
-            item = self.next_item.result()
-        except StopAsyncIteration:
+    async def _decode_item(self, item: Any, error: BaseException | None) -> AsyncIterator[AttemptEvent]:
+        if isinstance(error, StopAsyncIteration):
             yield AttemptFailed(f"decode engine {self.decode} ended the stream early", True, self.decode, 502, "decode")
             return
-        except Exception as exc:
-            if engine_gone(exc):
+        if error is not None:
+            if engine_gone(error):
                 self.executor.pool.mark_unhealthy(self.decode)
-            yield AttemptFailed(f"decode engine {self.decode} failed: {exc}", True, self.decode, 502, "decode")
+            yield AttemptFailed(f"decode engine {self.decode} failed: {error}", True, self.decode, 502, "decode")
             return
         if isinstance(item, KVReady):
             self.executor.metrics.kv_ready.observe(time.monotonic() - self.started)
@@ -325,6 +355,12 @@ class AttemptRun:
             self.stream.cancel()
         except Exception:  # already finished
             pass
+
+
+def _outcome_of(future: asyncio.Future) -> tuple[Any, BaseException | None]:
+    """A finished read's (item, None), or (None, the error it raised)."""
+    error = future.exception()
+    return (None, error) if error is not None else (future.result(), None)
 
 
 @functools.cache

@@ -75,6 +75,41 @@ class LastChunk(str):
     """The last piece of a streamed body."""
 
 
+async def sse_body(
+    session: ResponseSession,
+    first: list[dict[str, Any]],
+    batches: AsyncIterator[list[dict[str, Any]]],
+    outcome: Outcome,
+) -> AsyncIterator[str]:
+    """One write per group of events that are ready together; the stream's last group, its
+    usage chunk and ``[DONE]`` go in one write (every write costs the router a send through
+    uvicorn and the client a read).
+
+    An attempt reads what its engine has already sent without waiting on the event loop, so
+    the items that queued up while the router was busy leave together, in the one write the
+    in-replica server makes per loop iteration. The first chunk is never held for them: after
+    it the stream gives the loop one turn, in which it is sent."""
+    pending = first
+    first_sent = False
+    while True:
+        if not session.finished:
+            started = time.perf_counter()
+            yield "".join(map(sse, pending))
+            session.client_wait_s += time.perf_counter() - started
+            pending = []
+            if not first_sent:
+                first_sent = True
+                await asyncio.sleep(0)
+        batch = await anext(batches, None)
+        if batch is None:
+            break
+        pending += batch
+    started = time.perf_counter()
+    yield LastChunk("".join(map(sse, pending)) + SSE_DONE)
+    session.client_wait_s += time.perf_counter() - started
+    outcome.status = session.status
+
+
 class RouterService:
     def __init__(
         self,
@@ -163,33 +198,7 @@ class RouterService:
             outcome.status = session.status
             await stack.aclose()
             return JSONResponse(first[0], session.status)
-        return SessionStreamingResponse(self._sse(session, first, batches, outcome), stack.aclose)
-
-    async def _sse(
-        self,
-        session: ResponseSession,
-        first: list[dict[str, Any]],
-        batches: AsyncIterator[list[dict[str, Any]]],
-        outcome: Outcome,
-    ) -> AsyncIterator[str]:
-        """One write per group of events that are ready together; the stream's last group, its
-        usage chunk and ``[DONE]`` go in one write (every write costs the router a send through
-        uvicorn and the client a read)."""
-        pending = first
-        while True:
-            if not session.finished:
-                started = time.perf_counter()
-                yield "".join(map(sse, pending))
-                session.client_wait_s += time.perf_counter() - started
-                pending = []
-            batch = await anext(batches, None)
-            if batch is None:
-                break
-            pending += batch
-        started = time.perf_counter()
-        yield LastChunk("".join(map(sse, pending)) + SSE_DONE)
-        session.client_wait_s += time.perf_counter() - started
-        outcome.status = session.status
+        return SessionStreamingResponse(sse_body(session, first, batches, outcome), stack.aclose)
 
     def models(self) -> dict[str, Any]:
         from serve_app.compat import ModelCard, ModelList

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -82,19 +82,20 @@ def null_engine_metrics() -> EngineMetrics:
     return EngineMetrics(**{f.name: NullMetric() for f in dataclasses.fields(EngineMetrics)})
 
 
+def _dead() -> ray.exceptions.ActorDiedError:
+    return ray.exceptions.ActorDiedError()
+
+
 @dataclass
 class Faults:
     """What an engine's handle does wrong, for the next calls."""
 
     dead: bool = False  # every call raises ActorDiedError (the replica is gone)
     stream_ends_after: int | None = None  # a streaming call ends (no error) after this many items
-    stream_raises_after: int | None = None  # ... or raises ActorDiedError after this many items
+    stream_raises_after: int | None = None  # ... or raises stream_error after this many items
+    stream_error: Callable[[], BaseException] = _dead
     hang: bool = False  # a call never answers
     calls: list[str] = field(default_factory=list)
-
-
-def _dead() -> ray.exceptions.ActorDiedError:
-    return ray.exceptions.ActorDiedError()
 
 
 class FakeStream:
@@ -122,7 +123,7 @@ class FakeStream:
             raise StopAsyncIteration
         if f.stream_raises_after is not None and self._items >= f.stream_raises_after:
             await self._close()
-            raise _dead()
+            raise f.stream_error()
         item = await self._gen.__anext__()
         self._items += 1
         return item

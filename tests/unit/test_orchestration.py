@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from serve_app.engines.mock import next_token
-from tests.unit.inprocess import MOCK_ARGS, App
+from serve_app.metrics import RouterMetrics
+from serve_app.router.service import Outcome, sse_body
+from tests.unit.inprocess import MOCK_ARGS, App, recording_router_metrics
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -27,9 +30,9 @@ def args(**changes: Any) -> dict[str, Any]:
     return out
 
 
-def run(coro_fn, app_args: dict[str, Any], tokenizer) -> Any:
+def run(coro_fn, app_args: dict[str, Any], tokenizer, metrics: RouterMetrics | None = None) -> Any:
     async def main() -> Any:
-        app = await App.start(app_args, tokenizer)
+        app = await App.start(app_args, tokenizer, metrics)
         try:
             result = await asyncio.wait_for(coro_fn(app), 30)
             await app.idle()
@@ -61,18 +64,23 @@ async def play(response, sent: list) -> None:
     await response({"type": "http"}, receive, send)
 
 
+def sse_events(sent: list[dict]) -> list:
+    """The SSE events (dicts, and "[DONE]") in the ASGI messages a response sent."""
+    events: list = []
+    raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
 async def body_of(response) -> tuple[int, Any]:
     """(status, JSON body or the list of SSE events) of a Starlette response, consumed here."""
     if hasattr(response, "body_iterator"):
-        events = []
         sent: list[dict] = []
         await play(response, sent)
-        raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
-        for block in raw.split("\n\n"):
-            if block.startswith("data: "):
-                data = block[6:]
-                events.append(data if data == "[DONE]" else json.loads(data))
-        return response.status_code, events
+        return response.status_code, sse_events(sent)
     return response.status_code, json.loads(response.body)
 
 
@@ -136,6 +144,40 @@ def test_a_stream_writes_what_is_ready_together_in_one_message(engines_without_r
                 assert json.loads(first_text)["choices"][0]["delta"]["content"] is not None
 
     run(body, args(), tiny_tokenizer)
+
+
+def test_the_first_chunk_leaves_before_the_items_queued_behind_it_are_read():
+    """The items an engine sent while the router was busy are read without waiting on the loop
+    (and so leave in one write), but never ahead of the first chunk: the loop gets a turn, in
+    which the in-replica server's transport sends what it was given, before the next read."""
+
+    async def main() -> list[str]:
+        loop = asyncio.get_running_loop()
+        log: list[str] = []
+
+        async def queued_batches():
+            for i in range(3):
+                log.append(f"read {i}")
+                yield [{"choices": [{"text": str(i)}]}]  # already there: no wait
+
+        unsent: list[str] = []
+
+        def send() -> None:
+            log.append(f"sent {len(unsent)}")
+            unsent.clear()
+
+        session = SimpleNamespace(finished=False, client_wait_s=0.0, status=200)
+        async for chunk in sse_body(session, [{"choices": [{"text": "first"}]}], queued_batches(), Outcome()):  # type: ignore[arg-type]
+            log.append("write")
+            if not unsent:  # as CoalescingTransport: one send per loop turn, of what it was given
+                loop.call_soon(send)
+            unsent.append(chunk)
+        await asyncio.sleep(0)
+        return log
+
+    log = asyncio.run(main())
+    assert log[:3] == ["write", "sent 1", "read 0"], log
+    assert log[3:] == ["write", "read 1", "write", "read 2", "write", "write", "sent 4"], log  # the rest: one send
 
 
 async def wait_until(predicate, timeout_s: float = 5.0) -> None:
@@ -224,6 +266,32 @@ def test_request_deadline_ends_the_response_with_504(engines_without_ray, tiny_t
     run(body, tight, tiny_tokenizer)
 
 
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_request_deadline_mid_stream_ends_it_with_a_504_event(engines_without_ray, tiny_tokenizer, mode):
+    """Tokens flow, then the decode engine stalls: the request's own deadline still ends it
+    (the stream is read in the attempt's task then, under that deadline alone)."""
+
+    async def body(app: App) -> None:
+        app.service.warm_up()  # as a router replica does at start: the first request would pay for imports
+        sent: list = []
+        request = {"prompt": PROMPT, "max_tokens": 2000, "stream": True, "return_token_ids": True}
+        response = await app.service.http("completions", json.dumps(request).encode())
+        client = asyncio.ensure_future(play(response, sent))
+        await wait_until(lambda: len(sent) >= 4)
+        for faults in app.faults.values():
+            faults.hang = True
+        await client
+        for faults in app.faults.values():
+            faults.hang = False
+        events = sse_events(sent)
+        assert response.status_code == 200 and tokens_of(events[:-2])
+        assert events[-2]["error"] == {**events[-2]["error"], "code": 504, "message": "the request timed out"}, events[-2]
+        assert events[-1] == "[DONE]"
+
+    stalls = args(router={"mode": mode, "timeouts": {"kv_ready_s": 5, "prefill_s": 5, "first_token_s": 5, "request_s": 1.0}})
+    run(body, stalls, tiny_tokenizer)
+
+
 async def long_streaming_client(app: App, events: list) -> None:
     """A client streaming a long completion that never disconnects by itself: cancel its task
     to have it leave. What it is sent goes into ``events``."""
@@ -301,20 +369,25 @@ def test_a_prefill_that_raises_is_retried(engines_without_ray, tiny_tokenizer):
     run(body, args(), tiny_tokenizer)
 
 
-@pytest.mark.parametrize("fault", ["dead", "stream_ends_after", "stream_raises_after"])
+@pytest.mark.parametrize("fault", ["dead", "stream_ends_after", "stream_raises_after", "stream_times_out"])
 def test_a_decode_engine_lost_mid_stream_is_resumed_token_exact(engines_without_ray, tiny_tokenizer, fault):
     async def body(app: App) -> None:
         victim = app.faults["decode-0"]
         if fault == "dead":
             victim.dead = True
+        elif fault == "stream_times_out":  # its transport's own timeout: an engine failure, not a deadline
+            victim.stream_raises_after = 3
+            victim.stream_error = lambda: TimeoutError("read timed out")
         else:
             setattr(victim, fault, 3)  # KVReady, then a couple of deltas, then gone
         status, events = await completion(app, PROMPT, max_tokens=40, stream=True)
         assert status == 200 and tokens_of(events) == expected(PROMPT, 40)
         assert len({e["id"] for e in events if isinstance(e, dict)}) == 1
         assert app.faults["decode-1"].calls.count("generate") >= 1
+        errors = app.service.metrics.errors
+        assert errors.value(kind="decode") == 1 and errors.value(kind="timeout") is None
 
-    run(body, args(router={"mode": "colocated"}, decode={"replicas": 2}), tiny_tokenizer)
+    run(body, args(router={"mode": "colocated"}, decode={"replicas": 2}), tiny_tokenizer, recording_router_metrics())
 
 
 def test_no_decode_engine_at_all_is_a_503(engines_without_ray, tiny_tokenizer):
