@@ -37,9 +37,7 @@ import contextlib
 import dataclasses
 import json
 import os
-import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +54,8 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+from serve_app.ports import free_port  # noqa: E402  (importable once the repo's root is on the path)
+
 VENV_BIN = Path(sys.executable).parent
 SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
 OVERRIDES: dict[str, Any] = {}  # --set KEY=JSON: app args for every pd-serve target (dotted keys nest)
@@ -87,36 +87,6 @@ WORKLOADS = [
 # start meet cold paths (connections, handles, kernels for new shapes) in every target alike.
 WARM_UP = [Workload("warm-up c=1", 1, 32, 16, 8), Workload("warm-up c=8", 8, 256, 64, 16)]
 QUICK = [Workload("c=1", 1, 32, 16, 12), Workload("c=8", 8, 256, 64, 32), Workload("c=32", 32, 256, 64, 64)]
-
-
-FIRST_FREE_PORT = 20000  # above Ray's worker ports
-
-
-def free_port() -> int:
-    """A port free now, between Ray's worker ports (10002-19999 by default, which its workers bind
-    as they start) and the kernel's range of ephemeral ports: a port the kernel hands out for
-    ``bind(0)`` lies in that range, where it may become the local end of an outgoing connection
-    (Ray's processes open many) before the server binds it; a router replica then failed its start
-    on "Address already in use" until the benchmark gave up (seen once in a full run). The
-    integration tests take their ports from the same range (tests/integration/conftest.py)."""
-    low = ephemeral_port_range()[0]
-    for _ in range(200):
-        port = random.randrange(FIRST_FREE_PORT, max(FIRST_FREE_PORT + 1, low))
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port found in {FIRST_FREE_PORT}-{low}")
-
-
-def ephemeral_port_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
 
 
 def base_env() -> dict[str, str]:

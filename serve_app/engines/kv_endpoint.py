@@ -15,6 +15,7 @@ import logging
 import socket
 from typing import Any
 
+from serve_app.ports import free_port
 from serve_app.protocol import KVEndpoint
 
 logger = logging.getLogger("pd_serve.engine")
@@ -48,12 +49,6 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def port_holder(port: int) -> str:

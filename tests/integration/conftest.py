@@ -9,7 +9,6 @@ configs/serve.yaml does) on a free port rather than 8000, so the tests do not co
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,31 +21,23 @@ import requests
 import yaml
 
 from serve_app.engines.backends import KV_PORT_STRIDE
+from serve_app.ports import bindable, late_bound_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
 
 
 # Ports the tests hand out for servers that bind them later (a router's HTTP port, once its
-# engines are up; a KV port block): below the kernel's ephemeral range, where bind(0) and
-# outgoing connections take ports (vLLM picks its internal ports with bind(0), then binds them
-# again later), so nothing started meanwhile takes one, and above Ray's worker ports
-# (10002-19999). With ports handed out by bind(0), CI once saw a router's constructor fail three
-# times and its app's deploy fail; a port taken meanwhile is the likeliest cause (the log did not
-# show the constructor's error; ``deploy`` now prints it).
-_TEST_PORTS = range(20000, 32768)
+# engines are up; a KV port block): from serve_app.ports, between Ray's worker ports and the
+# kernel's ephemeral range, where bind(0) and outgoing connections take ports (vLLM picks its
+# internal ports with bind(0), then binds them again later). With ports handed out by bind(0),
+# CI once saw a router's constructor fail three times and its app's deploy fail; a port taken
+# meanwhile is the likeliest cause (the log did not show the constructor's error; ``deploy`` now
+# prints it).
+_TEST_PORTS = late_bound_ports()
 # Room for an app's KV side channels: four engines (test_cdcp's), KV_PORT_STRIDE ports each.
 KV_PORT_BLOCK = 4 * KV_PORT_STRIDE
 _handed_out: set[int] = set()
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_ports(count: int = 1, align: int = 1) -> int:
@@ -56,7 +47,7 @@ def free_ports(count: int = 1, align: int = 1) -> int:
     start -= start % align
     for first in range(start, _TEST_PORTS.stop - count, align):
         block = range(first, first + count)
-        if not _handed_out.intersection(block) and all(_bindable(port) for port in block):
+        if not _handed_out.intersection(block) and all(bindable("127.0.0.1", port) for port in block):
             _handed_out.update(block)
             return first
     raise RuntimeError(f"no {count} free ports left in {_TEST_PORTS}")
