@@ -95,11 +95,11 @@ async def sse_body(
         if not session.finished:
             started = time.perf_counter()
             yield "".join(map(sse, pending))
-            session.client_wait_s += time.perf_counter() - started
-            pending = []
-            if not first_sent:
+            if not first_sent:  # the loop's turn in which the first chunk is sent
                 first_sent = True
                 await asyncio.sleep(0)
+            session.client_wait_s += time.perf_counter() - started
+            pending = []
         batch = await anext(batches, None)
         if batch is None:
             break
