@@ -15,7 +15,9 @@ import socket
 from pathlib import Path
 
 FIRST_PORT = 20000  # above Ray's worker ports
+LAST_PORT = 65535
 LINUX_EPHEMERAL_PORTS = (32768, 60999)  # the kernel's default, where /proc does not say
+ENOUGH_PORTS = 1000  # the integration tests hand out blocks of 64
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -27,8 +29,16 @@ def ephemeral_port_range() -> tuple[int, int]:
 
 
 def late_bound_ports() -> range:
-    """Ports above Ray's worker ports and below the ephemeral range."""
-    return range(FIRST_PORT, max(FIRST_PORT + 1, ephemeral_port_range()[0]))
+    """Ports above Ray's worker ports and below the ephemeral range; on a host whose ephemeral
+    range starts too low for that, the ports above it; where it leaves neither, every port
+    above Ray's (best effort: then nothing is safe from an outgoing connection)."""
+    low, high = ephemeral_port_range()
+    if low - FIRST_PORT >= ENOUGH_PORTS:
+        return range(FIRST_PORT, low)
+    above = range(max(FIRST_PORT, high + 1), LAST_PORT + 1)
+    if len(above) >= ENOUGH_PORTS:
+        return above
+    return range(FIRST_PORT, LAST_PORT + 1)
 
 
 def bindable(host: str, port: int) -> bool:
