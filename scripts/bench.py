@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import threading
@@ -30,12 +29,7 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from serve_app.ports import free_port  # noqa: E402  (importable once the repo's root is on the path)
 
 
 def one_request(url: str, prompt: list[int], max_tokens: int) -> dict[str, float]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from serve_app import ports
 from serve_app.kv.consumer import ConsumerWorker
 from serve_app.kv.metadata import LayerwiseMetadata, RecvSpec, Settings
 from serve_app.kv.wire import KIND_DONE, KIND_FAILED, KIND_LAYER, KVGeometry, encode_frame, tensor_bytes
@@ -37,10 +38,8 @@ def settings(**overrides: Any) -> Settings:
 
 
 def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a side channel bound a little later."""
+    return ports.free_port(HOST)
 
 
 def fake_request(request_id: str, params: dict | None, prompt: int) -> SimpleNamespace:
