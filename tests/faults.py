@@ -94,7 +94,9 @@ class FaultySchedulerSide(SchedulerSide):
 
     def build_connector_meta(self, so: Any, kv_cache_manager: Any) -> LayerwiseMetadata:
         meta = super().build_connector_meta(so, kv_cache_manager)
-        faulty = FaultyMetadata(recv=meta.recv, send=meta.send, finished=meta.finished, wake_port=meta.wake_port)
+        faulty = FaultyMetadata(
+            recv=meta.recv, send=meta.send, finished=meta.finished, wake_port=meta.wake_port, wake_token=meta.wake_token
+        )
         faulty.faults = {s.transfer_id: self._faults[s.transfer_id] for s in meta.send if s.transfer_id in self._faults}
         return faulty
 

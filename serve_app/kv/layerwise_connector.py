@@ -19,8 +19,12 @@ vLLM's own connectors:
 
 The protocol of one transfer is described in docs/design.md ("The KV side channel").
 ``kv_connector_extra_config`` keys: ``recv_timeout_s`` (set by pd-serve from the router's
-deadlines), ``kv_host`` (the address decode's side channel listens on and posts),
-``max_connections``, ``max_early_transfers``, ``max_early_bytes``.
+deadlines), ``kv_host`` (the address decode's side channel listens on and posts), and the side
+channel's limits, named and defaulted as in ``metadata.Settings``: ``max_connections``,
+``max_connections_per_peer``, ``max_pending_connections``, ``max_pending_per_peer``,
+``handshake_timeout_s``, ``max_early_transfers``, ``max_early_bytes``,
+``max_early_transfers_per_connection``, ``max_early_bytes_per_connection``, ``early_wait_s``,
+``early_ttl_s``, ``ack_timeout_s``.
 
 Test-only behaviour (fault injection) lives in subclasses in the tests, which swap in their own
 ``scheduler_side_cls`` / ``producer_cls`` / ``consumer_cls``; nothing here reads a fault flag.

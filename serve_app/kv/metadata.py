@@ -17,8 +17,17 @@ if TYPE_CHECKING:
 # Defaults of the kv_connector_extra_config keys this connector reads.
 DEFAULT_RECV_TIMEOUT_S = 60.0
 DEFAULT_MAX_CONNECTIONS = 32
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 16
+DEFAULT_MAX_PENDING_CONNECTIONS = 32
+DEFAULT_MAX_PENDING_PER_PEER = 16
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 DEFAULT_MAX_EARLY_TRANSFERS = 64
 DEFAULT_MAX_EARLY_BYTES = 64 << 20
+DEFAULT_MAX_EARLY_TRANSFERS_PER_CONNECTION = 16
+DEFAULT_MAX_EARLY_BYTES_PER_CONNECTION = 16 << 20
+DEFAULT_EARLY_WAIT_S = 5.0
+DEFAULT_EARLY_TTL_S = 10.0
+DEFAULT_ACK_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -33,9 +42,25 @@ class Settings:
     max_model_len: int
     is_producer: bool
     recv_timeout_s: float = DEFAULT_RECV_TIMEOUT_S
+    # Decode's receiver (consumer.py): connections that authenticated (sent a frame with a
+    # transfer's secret), in all and from one address.
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER
+    # Connections that have not authenticated yet: their own pool, the oldest evicted for a newcomer.
+    max_pending_connections: int = DEFAULT_MAX_PENDING_CONNECTIONS
+    max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
+    # A connection's first frame header must be in within this, or it is closed.
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
     max_early_transfers: int = DEFAULT_MAX_EARLY_TRANSFERS
     max_early_bytes: int = DEFAULT_MAX_EARLY_BYTES
+    max_early_transfers_per_connection: int = DEFAULT_MAX_EARLY_TRANSFERS_PER_CONNECTION
+    max_early_bytes_per_connection: int = DEFAULT_MAX_EARLY_BYTES_PER_CONNECTION
+    # How long a frame of a transfer not armed yet waits for its arming or for room in the table,
+    # and how long the frames of a transfer that is never armed are kept there.
+    early_wait_s: float = DEFAULT_EARLY_WAIT_S
+    early_ttl_s: float = DEFAULT_EARLY_TTL_S
+    # Prefill's sender (producer.py): how long a done frame waits for decode's ack.
+    ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S
 
     @property
     def max_blocks(self) -> int:
@@ -56,10 +81,25 @@ class Settings:
             max_model_len=int(vllm_config.model_config.max_model_len),
             is_producer=bool(ktc.is_kv_producer),
             recv_timeout_s=float(extra.get("recv_timeout_s", DEFAULT_RECV_TIMEOUT_S)),
-            max_connections=int(extra.get("max_connections", DEFAULT_MAX_CONNECTIONS)),
-            max_early_transfers=int(extra.get("max_early_transfers", DEFAULT_MAX_EARLY_TRANSFERS)),
-            max_early_bytes=int(extra.get("max_early_bytes", DEFAULT_MAX_EARLY_BYTES)),
+            **{name: kind(extra[name]) for name, kind in _EXTRA_LIMITS.items() if name in extra},
         )
+
+
+# kv_connector_extra_config keys read as they are named in Settings (their defaults are Settings').
+_EXTRA_LIMITS: dict[str, type] = {
+    "max_connections": int,
+    "max_connections_per_peer": int,
+    "max_pending_connections": int,
+    "max_pending_per_peer": int,
+    "handshake_timeout_s": float,
+    "max_early_transfers": int,
+    "max_early_bytes": int,
+    "max_early_transfers_per_connection": int,
+    "max_early_bytes_per_connection": int,
+    "early_wait_s": float,
+    "early_ttl_s": float,
+    "ack_timeout_s": float,
+}
 
 
 @dataclass
@@ -104,6 +144,8 @@ class LayerwiseMetadata(KVConnectorMetadata):
     # Decode: the loopback port of the engine core's doorbell (kv/wakeup.py), rung by the worker
     # when a transfer can be settled; None where there is none.
     wake_port: int | None = None
+    # The doorbell's per-engine random token: a datagram without it wakes nothing.
+    wake_token: str | None = None
 
 
 @dataclass

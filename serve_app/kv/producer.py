@@ -5,61 +5,162 @@ the layer's blocks that the decode engine lacks are sent to it: one frame per la
 carrying the transfer's secret. After the prompt's last chunk a ``done`` frame says how many
 layer frames were sent; a push that broke sends ``failed`` instead (when decode is reachable at
 all), and either way the transfer's record says so, which is how ``Prefill.run`` learns of it.
+
+A push counts as done only once decode acknowledged its done frame (an ``ack`` frame back on the
+same connection, wire version 2): ``sendall`` returning only means the bytes are in this host's
+kernel buffer, and a receiver that never read them (no slot, a dead worker) would otherwise be
+reported as a delivered push while decode waits out its deadline. The step's done frames all go
+out first and their acks are then awaited together, up to ``ack_timeout_s``; a negative ack, a
+connection that ends, or no ack in time fail the push, which the router then retries at once.
+One connection per destination carries every concurrent transfer to it, so acks name their
+transfer and a reader thread per connection files them for whoever waits.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import socket
+import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from serve_app.kv.caches import KVCaches
 from serve_app.kv.metadata import LayerwiseMetadata, SendSpec, Settings, new_record
-from serve_app.kv.wire import KIND_DONE, KIND_FAILED, KIND_LAYER, encode_frame, tensor_bytes
+from serve_app.kv.wire import (
+    KIND_DONE,
+    KIND_FAILED,
+    KIND_LAYER,
+    TO_PREFILL,
+    AckHeader,
+    WireError,
+    check_ack_sizes,
+    encode_frame,
+    parse_ack,
+    printable,
+    read_preamble,
+    recv_exact,
+    tensor_bytes,
+)
 
 logger = logging.getLogger("pd_serve.kv")
 
 SEND_TIMEOUT_S = 10.0
+ACK_MEMORY = 4096  # acks kept per connection until their transfer's done frame asks for them
+
+
+class Link:
+    """One connection to a decode engine's side channel, and the acks read back on it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._cond = threading.Condition()
+        self._acks: OrderedDict[str, AckHeader] = OrderedDict()  # transfer -> its answer, until taken
+        self.dead: str | None = None  # why no more acks can come
+        threading.Thread(target=self._read, name="kv-ack-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        why = "the decode engine closed the connection"
+        try:
+            while True:
+                # Idle for as long as it likes between acks (the socket's timeout is for sends
+                # and for a frame that stalls halfway).
+                select.select([self.sock], [], [])
+                pre = read_preamble(self.sock, TO_PREFILL)
+                if pre is None:
+                    break
+                check_ack_sizes(pre)
+                self._file(parse_ack(recv_exact(self.sock, pre.header_len)))
+        except (WireError, OSError, ValueError) as exc:
+            why = f"the ack stream broke: {exc}"
+        finally:
+            with self._cond:
+                self.dead = self.dead or why
+                self._cond.notify_all()
+
+    def _file(self, ack: AckHeader) -> None:
+        with self._cond:
+            self._acks[ack.transfer] = ack
+            while len(self._acks) > ACK_MEMORY:  # answers nobody asked for (yet) stay bounded
+                self._acks.popitem(last=False)
+            self._cond.notify_all()
+
+    def wait_ack(self, transfer: str, deadline: float) -> str | None:
+        """None once decode acknowledged ``transfer``; why not, on a negative ack, a dead
+        connection or the deadline (``time.monotonic``)."""
+        with self._cond:
+            while True:
+                ack = self._acks.pop(transfer, None)
+                if ack is not None:
+                    return None if ack.ok else f"the decode engine failed the transfer: {ack.reason or 'no reason given'}"
+                if self.dead is not None:
+                    return f"no acknowledgement: {self.dead}"
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return "the decode engine did not acknowledge the transfer in time"
+                self._cond.wait(remaining)
+
+    def close(self) -> None:
+        with self._cond:
+            self.dead = self.dead or "closed by the sender"
+            self._cond.notify_all()
+        for how in (lambda: self.sock.shutdown(socket.SHUT_RDWR), self.sock.close):
+            try:
+                how()
+            except OSError:
+                pass
 
 
 class FrameSender:
-    """One connection per destination, opened on first use and reopened once after a failure."""
+    """One connection per destination, opened on first use and reopened once after a failure
+    (or when its ack reader saw it end). Used from the worker's thread only."""
 
     def __init__(self, timeout_s: float = SEND_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
         self._conns: dict[tuple[str, int], socket.socket] = {}
+        self._links: dict[tuple[str, int], Link] = {}
 
-    def send(self, host: str, port: int, parts: list[bytes | memoryview]) -> None:
-        """Send one encoded frame; raises OSError when the destination cannot be reached."""
+    def send(self, host: str, port: int, parts: list[bytes | memoryview]) -> Link:
+        """Send one encoded frame; returns the connection it went on (where its ack will come).
+        Raises OSError when the destination cannot be reached."""
         key = (host, port)
         for attempt in range(2):
-            conn = self._conns.get(key)
+            link = self._links.get(key)
             try:
-                if conn is None:
-                    conn = socket.create_connection(key, timeout=self.timeout_s)
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    self._conns[key] = conn
+                if link is None or link.dead is not None:
+                    self.drop(key)
+                    link = self._connect(key)
                 for part in parts:
-                    conn.sendall(part)
-                return
+                    link.sock.sendall(part)
+                return link
             except OSError:
                 self.drop(key)
                 if attempt == 1:
                     raise
+        raise AssertionError("unreachable")
+
+    def _connect(self, key: tuple[str, int]) -> Link:
+        conn = socket.create_connection(key, timeout=self.timeout_s)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            link = Link(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._conns[key], self._links[key] = conn, link
+        return link
 
     def drop(self, key: tuple[str, int]) -> None:
-        conn = self._conns.pop(key, None)
-        if conn is not None:
-            try:
-                conn.close()
-            except OSError:
-                pass
+        self._conns.pop(key, None)
+        link = self._links.pop(key, None)
+        if link is not None:
+            link.close()
 
     def close(self) -> None:
-        for key in list(self._conns):
+        for key in list(self._links):
             self.drop(key)
 
 
@@ -112,8 +213,10 @@ class ProducerWorker:
             record["last_layer_sent_at"] = now
 
     def finish_step(self, meta: LayerwiseMetadata) -> None:
-        """After the step's forward: account the step, and close transfers whose prompt is done."""
+        """After the step's forward: account the step, and close transfers whose prompt is done
+        (once decode acknowledged them: module docstring)."""
         now = time.time()
+        awaiting: list[tuple[str, Link]] = []
         for spec in meta.send:
             tid = spec.transfer_id
             record = self._records.setdefault(tid, new_record("prefill"))
@@ -128,15 +231,28 @@ class ProducerWorker:
             else:
                 parts = encode_frame(KIND_DONE, self.compat, {"transfer": tid, "secret": spec.secret, "frames": self._frames.get(tid, 0)})
             try:
-                self.sender.send(spec.host, spec.port, parts)
+                link = self.sender.send(spec.host, spec.port, parts)
             except OSError as exc:
                 reason = reason or f"done signal failed: {exc!r}"
-            record["outcome"] = "failed" if reason else "done"
             if reason:
-                record["error"] = reason
-            self._finished_records[tid] = self._records.pop(tid)
-            self._frames.pop(tid, None)
-            self._broken.pop(tid, None)
+                self._finish(tid, reason)
+            else:
+                awaiting.append((tid, link))
+        deadline = time.monotonic() + self.s.ack_timeout_s
+        for tid, link in awaiting:
+            problem = link.wait_ack(tid, deadline)
+            if problem is not None:
+                logger.warning("transfer %s: push failed: %s", tid, printable(problem))
+            self._finish(tid, problem)
+
+    def _finish(self, tid: str, reason: str | None) -> None:
+        record = self._records.pop(tid)
+        record["outcome"] = "failed" if reason else "done"
+        if reason:
+            record["error"] = reason
+        self._finished_records[tid] = record
+        self._frames.pop(tid, None)
+        self._broken.pop(tid, None)
 
     def take_records(self) -> dict[str, dict[str, Any]]:
         records, self._finished_records = self._finished_records, {}

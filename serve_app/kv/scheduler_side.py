@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from serve_app.kv.metadata import LayerwiseMetadata, RecvSpec, SendSpec, Settings
 from serve_app.kv.wakeup import Doorbell
+from serve_app.kv.wire import valid_transfer_id
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -183,8 +184,12 @@ class SchedulerSide:
             num_tokens=num_external_tokens,
             timeout_s=self.s.recv_timeout_s,
         )
-        if transfer_id in self._armed_ids or transfer_id in self._recent:
+        if not valid_transfer_id(transfer_id):
+            # No frame naming it would pass the wire's checks: fail it now, not at the deadline.
+            spec.rejected = f"transfer id {transfer_id!r} is not one the KV side channel accepts"
+        elif transfer_id in self._armed_ids or transfer_id in self._recent:
             spec.rejected = f"transfer id {transfer_id} is already in use on this engine"
+        if spec.rejected is not None:
             logger.warning("request %s: %s", request.request_id, spec.rejected)
             self._new_recv.append(spec)
             return
@@ -254,6 +259,7 @@ class SchedulerSide:
             recv=self._new_recv,
             finished=sorted(so.finished_req_ids),
             wake_port=self.doorbell.port if self.doorbell is not None else None,
+            wake_token=self.doorbell.token if self.doorbell is not None else None,
         )
         self._new_recv = []
         if self._sending:

@@ -16,8 +16,13 @@ engine core's sleep after a forward-less step becomes a wait on that socket for 
 time. The worker rings it when a transfer can be settled (its done or failed frame came, or its
 connection broke), and the scheduler side marks the doorbell when a step reported a finished
 receive, so the step that schedules the request follows at once. Anything else still waits out
-vLLM's interval, and a lost or stray datagram costs at most one poll, never correctness: a stray
-one only makes the core run one more forward-less step.
+vLLM's interval, and a lost datagram costs at most one poll, never correctness.
+
+Any local process can send a datagram to a loopback port, so a bare datagram must not count as a
+ring, or a flood of them would keep the engine core running forward-less steps instead of
+sleeping. Each doorbell makes a random token (its only copy outside the engine-core process goes
+to the worker in the step metadata, next to the port); a ring is a datagram carrying exactly that
+token, and anything else is read and dropped while the wait goes on to the end of its interval.
 
 The wait is installed by replacing ``time`` in vLLM's engine-core module with a proxy whose
 ``sleep`` waits on the doorbell, only after checking the module's source: its one ``time.sleep``
@@ -28,9 +33,11 @@ engines that use it (vLLM's CPU backend here).
 
 from __future__ import annotations
 
+import hmac
 import inspect
 import logging
 import re
+import secrets
 import select
 import socket
 import time
@@ -40,6 +47,7 @@ from typing import Any
 logger = logging.getLogger("pd_serve.kv")
 
 LOOPBACK = "127.0.0.1"
+MAX_DATAGRAMS_PER_DRAIN = 1024  # a flood is read in bounded batches, between checks of the clock
 
 
 class Doorbell:
@@ -50,7 +58,10 @@ class Doorbell:
         self._sock.bind((LOOPBACK, 0))
         self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
+        self.token: str = secrets.token_hex(16)
+        self._token = self.token.encode()
         self._rung = False  # set and read by the engine core's main thread only
+        self.stray_datagrams = 0  # datagrams without the token: not rings
 
     def ring_here(self) -> None:
         """From the engine core's own process: the next wait returns at once."""
@@ -64,22 +75,32 @@ class Doorbell:
             self._rung = False
             self._drain()
             return True
-        try:
-            readable, _, _ = select.select([self._sock], [], [], timeout_s)
-        except (OSError, ValueError):  # closed under us: behave like vLLM's plain sleep
-            time.sleep(timeout_s)
-            return False
-        if readable:
-            self._drain()
-            return True
-        return False
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                readable, _, _ = select.select([self._sock], [], [], remaining)
+            except (OSError, ValueError):  # closed under us: behave like vLLM's plain sleep
+                time.sleep(remaining)
+                return False
+            if readable and self._drain():
+                return True
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Read what is queued; True when a datagram carried the token."""
+        rung = False
         try:
-            while True:
-                self._sock.recv(64)
+            for _ in range(MAX_DATAGRAMS_PER_DRAIN):
+                data = self._sock.recv(64)
+                if hmac.compare_digest(data, self._token):
+                    rung = True
+                else:
+                    self.stray_datagrams += 1
         except (BlockingIOError, OSError):
             pass
+        return rung
 
     def close(self) -> None:
         self._sock.close()
@@ -92,13 +113,18 @@ class DoorbellRinger:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
         self.port: int | None = None
+        self.token: str | None = None
+
+    def aim(self, port: int | None, token: str | None) -> None:
+        """The doorbell a step's metadata named (its port and token), or none."""
+        self.port, self.token = port, token
 
     def ring(self) -> None:
-        port = self.port
-        if port is None:
+        port, token = self.port, self.token
+        if port is None or token is None:
             return
         try:
-            self._sock.sendto(b"\x01", (LOOPBACK, port))
+            self._sock.sendto(token.encode(), (LOOPBACK, port))
         except OSError:  # a full buffer means rings are already waiting to be read
             pass
 

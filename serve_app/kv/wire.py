@@ -5,7 +5,7 @@ One frame::
     preamble (fixed 28 bytes, network order)
         magic   4s   b"PDKV"
         version u16  WIRE_VERSION
-        kind    u8   KIND_LAYER | KIND_DONE | KIND_FAILED
+        kind    u8   KIND_LAYER | KIND_DONE | KIND_FAILED (prefill -> decode), KIND_ACK (decode -> prefill)
         flags   u8   0 (reserved)
         compat  u64  hash of the KV layout both ends must share (``compat_hash``)
         header  u32  length of the JSON header
@@ -19,12 +19,24 @@ geometry before any buffer is allocated, and the compat hash (like the one vLLM'
 exchanges in its handshake) refuses a peer whose dtype, block size or layout differ. A frame that
 breaks any rule raises ``WireError``; the receiver then closes that connection, because after a
 bad length nothing later on it can be trusted.
+
+Version 2 added the acknowledgement: decode answers a transfer's ``done`` frame, on the connection
+it came on, with an ``ack`` frame (same preamble, no payload, header ``{"transfer", "ok",
+"reason"}``), so prefill reports a push delivered only when the receiver has it, not when its bytes
+went into a kernel buffer. ``ok`` false (a negative ack) says the receiver failed the transfer. The
+version is in the preamble and in the compat hash, so a version-1 peer is refused at its first
+frame instead of leaving a version-2 sender waiting for acks that never come.
+
+Transfer ids come from the peer and end up in logs and records: they are checked on parse against
+``TRANSFER_ID`` (bounded, no spaces or control characters), and free text from a peer (a failure
+reason) is escaped with ``printable`` before anything keeps it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import socket
 import struct
 from collections.abc import Sequence
@@ -34,11 +46,14 @@ from typing import Any
 import torch
 
 MAGIC = b"PDKV"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 KIND_LAYER = 1
 KIND_DONE = 2
 KIND_FAILED = 3
-KINDS = {KIND_LAYER: "layer", KIND_DONE: "done", KIND_FAILED: "failed"}
+KIND_ACK = 4
+KINDS = {KIND_LAYER: "layer", KIND_DONE: "done", KIND_FAILED: "failed", KIND_ACK: "ack"}
+TO_DECODE = frozenset({KIND_LAYER, KIND_DONE, KIND_FAILED})  # what a receiver accepts
+TO_PREFILL = frozenset({KIND_ACK})  # what a sender accepts back
 
 PREAMBLE = struct.Struct("!4sHBBQIQ")
 MAX_ID_CHARS = 256  # transfer ids and secrets
@@ -46,6 +61,9 @@ MAX_REASON_CHARS = 1024
 # Bytes a header may take besides its block ids (keys, transfer id, secret, layer name).
 HEADER_OVERHEAD = 4096
 BYTES_PER_BLOCK_ID = 12  # up to 11 digits and a comma
+MAX_ACK_HEADER_BYTES = 2048
+# What the router's attempt ids (``<prefix>-<hex>-<n>``) are made of; anything else is refused.
+TRANSFER_ID = re.compile(rf"[A-Za-z0-9._:@+=/-]{{1,{MAX_ID_CHARS}}}")
 
 
 class WireError(ValueError):
@@ -135,7 +153,32 @@ class FailedHeader:
     reason: str
 
 
+@dataclass(frozen=True)
+class AckHeader:
+    transfer: str
+    ok: bool
+    reason: str
+
+
 Header = LayerHeader | DoneHeader | FailedHeader
+
+
+def printable(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """Peer-supplied text made safe for one log line: control and non-ASCII characters escaped,
+    bounded in length."""
+    return text[:limit].encode("unicode_escape").decode("ascii")[:limit]
+
+
+def valid_transfer_id(value: object) -> bool:
+    return isinstance(value, str) and TRANSFER_ID.fullmatch(value) is not None
+
+
+def _transfer(obj: dict[str, Any]) -> str:
+    value = obj.get("transfer")
+    if not valid_transfer_id(value):
+        raise WireError(f"header field 'transfer' must be 1 to {MAX_ID_CHARS} characters of [A-Za-z0-9._:@+=/-]")
+    assert isinstance(value, str)
+    return value
 
 
 def _text(obj: dict[str, Any], key: str, limit: int) -> str:
@@ -153,7 +196,7 @@ def parse_header(kind: int, raw: bytes | bytearray) -> Header:
         raise WireError(f"header is not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise WireError("header must be a JSON object")
-    transfer = _text(obj, "transfer", MAX_ID_CHARS)
+    transfer = _transfer(obj)
     secret = _text(obj, "secret", MAX_ID_CHARS)
     if kind == KIND_LAYER:
         block_ids = obj.get("block_ids")
@@ -169,8 +212,20 @@ def parse_header(kind: int, raw: bytes | bytearray) -> Header:
         return DoneHeader(transfer, secret, frames)
     if kind == KIND_FAILED:
         reason = obj.get("reason")
-        return FailedHeader(transfer, secret, str(reason)[:MAX_REASON_CHARS] if reason else "prefill reported a failure")
+        return FailedHeader(transfer, secret, printable(str(reason)) if reason else "prefill reported a failure")
     raise WireError(f"unknown frame kind {kind}")
+
+
+def parse_ack(raw: bytes | bytearray) -> AckHeader:
+    """An ack frame's header (decode -> prefill); any deviation from the schema is a ``WireError``."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"ack header is not JSON: {exc}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("ok"), bool):
+        raise WireError("ack header must be a JSON object with a boolean 'ok'")
+    reason = obj.get("reason")
+    return AckHeader(_transfer(obj), obj["ok"], printable(str(reason)) if reason else "")
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -179,6 +234,14 @@ def encode_frame(kind: int, compat: int, header: dict[str, Any], payload: Sequen
     head = json.dumps(header, separators=(",", ":")).encode()
     payload_len = sum(memoryview(p).nbytes for p in payload)
     return [PREAMBLE.pack(MAGIC, WIRE_VERSION, kind, 0, compat, len(head), payload_len), head, *payload]
+
+
+def encode_ack(compat: int, transfer: str, ok: bool, reason: str = "") -> bytes:
+    """One ack frame, whole (it is small enough to go out in one non-blocking send)."""
+    header: dict[str, Any] = {"transfer": transfer, "ok": ok}
+    if reason:
+        header["reason"] = reason[:MAX_REASON_CHARS]
+    return b"".join(bytes(p) for p in encode_frame(KIND_ACK, compat, header))
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -214,8 +277,9 @@ def discard(sock: socket.socket, n: int, chunk: int = 1 << 20) -> None:
         n -= k
 
 
-def read_preamble(sock: socket.socket) -> Preamble | None:
-    """The next frame's preamble, or None when the peer closed cleanly between frames."""
+def read_preamble(sock: socket.socket, kinds: frozenset[int] = TO_DECODE) -> Preamble | None:
+    """The next frame's preamble, or None when the peer closed cleanly between frames. ``kinds``:
+    the frame kinds this end accepts (an ack travels only from decode to prefill)."""
     first = sock.recv(PREAMBLE.size)
     if not first:
         return None
@@ -227,7 +291,14 @@ def read_preamble(sock: socket.socket) -> Preamble | None:
         raise WireError(f"wire version {version} is not supported (this engine speaks {WIRE_VERSION})")
     if kind not in KINDS:
         raise WireError(f"unknown frame kind {kind}")
+    if kind not in kinds:
+        raise WireError(f"a {KINDS[kind]} frame is not accepted in this direction")
     return Preamble(kind=kind, compat=compat, header_len=header_len, payload_len=payload_len)
+
+
+def check_ack_sizes(pre: Preamble) -> None:
+    if pre.header_len > MAX_ACK_HEADER_BYTES or pre.payload_len:
+        raise WireError(f"an ack frame of {pre.header_len} + {pre.payload_len} bytes is not an ack")
 
 
 def check_sizes(pre: Preamble, limits: FrameLimits) -> None:

@@ -32,6 +32,7 @@ def settings(**overrides: Any) -> Settings:
         max_model_len=MAX_MODEL_LEN,
         is_producer=False,
         recv_timeout_s=5.0,
+        early_wait_s=1.0,  # a frame without room gives up well inside the tests' waits
     )
     values.update(overrides)
     return Settings(**values)

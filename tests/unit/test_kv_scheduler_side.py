@@ -327,3 +327,14 @@ def test_producer_refuses_parameters_it_cannot_honour(extra, match):
     m = sched.build_connector_meta(sched_output(new=[("p-1", 0)], scheduled={"p-1": 14}), FakeKVCacheManager({"p-1": [0, 1, 2, 3]}))
     (s,) = m.send
     assert s.error is not None and match in s.error and s.last_chunk
+
+
+def test_a_transfer_id_the_wire_would_refuse_is_rejected_at_once(posts):
+    """No frame could name it (kv/wire.py checks transfer ids on parse), so it fails now instead
+    of at its receive deadline, and is never announced to prefill."""
+    sched = consumer_side(posts)
+    sched.update_state_after_alloc(fake_request("r1", decode_params(request_id="att\n1"), 8), FakeBlocks([2, 3]), 8)
+    (spec,) = sched.build_connector_meta(sched_output(), None).recv
+    assert spec.rejected and "not one the KV side channel accepts" in spec.rejected
+    drain_posts(sched)
+    assert posts.calls == []

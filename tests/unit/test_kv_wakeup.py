@@ -39,7 +39,7 @@ def test_a_ring_from_another_process_end_ends_the_wait(doorbell):
     time.sleep(0.05)
     assert thread.is_alive()  # nothing rang yet
     ringer = DoorbellRinger()
-    ringer.port = doorbell.port
+    ringer.aim(doorbell.port, doorbell.token)
     ringer.ring()
     thread.join(timeout=LONG_S / 3)
     assert not thread.is_alive() and result == [True]
@@ -48,7 +48,7 @@ def test_a_ring_from_another_process_end_ends_the_wait(doorbell):
 
 def test_rings_that_came_before_the_wait_end_it_once(doorbell):
     ringer = DoorbellRinger()
-    ringer.port = doorbell.port
+    ringer.aim(doorbell.port, doorbell.token)
     for _ in range(5):
         ringer.ring()
     time.sleep(0.05)
@@ -76,7 +76,7 @@ def test_a_ringer_without_a_port_and_a_closed_doorbell_are_harmless():
     ringer = DoorbellRinger()
     ringer.ring()  # no step has named the doorbell yet
     bell = Doorbell()
-    ringer.port = bell.port
+    ringer.aim(bell.port, bell.token)
     bell.close()
     ringer.ring()  # nobody listens any more
     ringer.close()
@@ -157,10 +157,12 @@ def test_the_decode_connector_installs_the_wait_and_prefill_does_not(monkeypatch
     connector = LayerwisePushConnector.__new__(LayerwisePushConnector)
     decode = connector._make_scheduler_side(settings())
     assert decode.doorbell is installed[0]
-    assert decode.build_connector_meta(sched_output(), None).wake_port == installed[0].port
+    meta = decode.build_connector_meta(sched_output(), None)
+    assert (meta.wake_port, meta.wake_token) == (installed[0].port, installed[0].token)
     prefill = connector._make_scheduler_side(settings(is_producer=True))
     assert prefill.doorbell is None and len(installed) == 1
-    assert prefill.build_connector_meta(sched_output(), None).wake_port is None
+    meta = prefill.build_connector_meta(sched_output(), None)
+    assert meta.wake_port is None and meta.wake_token is None
     decode.close()
     prefill.close()
 
@@ -185,7 +187,7 @@ def consumer_and_bell(doorbell):
 def arm_with_doorbell(worker: ConsumerWorker, bell: Doorbell, req_id: str, tid: str, block_ids: list[int]) -> str:
     secret = f"secret-of-{tid}"
     spec = RecvSpec(req_id, tid, secret, block_ids, 8, 30.0)
-    worker.on_step(LayerwiseMetadata(recv=[spec], wake_port=bell.port))
+    worker.on_step(LayerwiseMetadata(recv=[spec], wake_port=bell.port, wake_token=bell.token))
     return secret
 
 

@@ -178,3 +178,91 @@ def test_discard_reads_exactly_and_fails_on_a_short_stream():
 
 def test_preamble_layout_is_fixed():
     assert PREAMBLE.format == "!4sHBBQIQ" and PREAMBLE.size == struct.calcsize("!4sHBBQIQ") == 28
+
+
+# ---------------------------------------------------------------------------- version 2: acks, ids
+def test_an_ack_frame_roundtrips_and_names_its_transfer():
+    from serve_app.kv.wire import KIND_ACK, TO_PREFILL, AckHeader, check_ack_sizes, encode_ack, parse_ack
+
+    for ok, reason in ((True, ""), (False, "2 of 3 frames arrived")):
+        a, b = socket.socketpair()
+        a.sendall(encode_ack(42, "chatcmpl-0f3a-1", ok, reason))
+        pre = read_preamble(b, TO_PREFILL)
+        assert (pre.kind, pre.compat, pre.payload_len) == (KIND_ACK, 42, 0)
+        check_ack_sizes(pre)
+        assert parse_ack(recv_exact(b, pre.header_len)) == AckHeader("chatcmpl-0f3a-1", ok, reason)
+        a.close()
+        b.close()
+
+
+def test_frames_are_accepted_in_their_direction_only():
+    """A receiver refuses an ack (decode -> prefill only) and a sender refuses anything else."""
+    from serve_app.kv.wire import TO_PREFILL, encode_ack
+
+    a, b = socket.socketpair()
+    a.sendall(encode_ack(1, "t", True))
+    with pytest.raises(WireError, match="not accepted"):
+        read_preamble(b)  # a receiver's default: layer, done, failed
+    a.close()
+    b.close()
+    a, b = socket.socketpair()
+    a.sendall(b"".join(bytes(p) for p in encode_frame(KIND_DONE, 1, {"transfer": "t", "secret": "s", "frames": 1})))
+    with pytest.raises(WireError, match="not accepted"):
+        read_preamble(b, TO_PREFILL)
+    a.close()
+    b.close()
+
+
+def test_version_1_peers_are_refused_at_their_first_frame():
+    """Version 2 senders wait for acks a version 1 receiver never sends: the version (and the
+    compat hash, which includes it) tell them apart at once."""
+    assert WIRE_VERSION == 2
+    a, b = socket.socketpair()
+    a.sendall(PREAMBLE.pack(MAGIC, 1, KIND_LAYER, 0, 0, 0, 0))
+    with pytest.raises(WireError, match="version 1"):
+        read_preamble(b)
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"transfer": 5, "ok": True},
+        {"transfer": "t\nx", "ok": True},
+        {"transfer": "t", "ok": "yes"},
+        {"transfer": "t"},
+        [1],
+    ],
+)
+def test_acks_outside_the_schema_are_refused(header):
+    from serve_app.kv.wire import parse_ack
+
+    with pytest.raises(WireError):
+        parse_ack(json.dumps(header).encode())
+
+
+@pytest.mark.parametrize(
+    "tid",
+    ["t\nINFO forged log line", "t 1", "t\x00", "t\u2028", "", "é", "t" * 257, "t\r"],
+)
+def test_transfer_ids_outside_the_safe_charset_are_refused(tid):
+    """Transfer ids end up in logs and records: a newline or a control character in one must
+    never get that far."""
+    for kind, extra in ((KIND_LAYER, {"layer": "l", "block_ids": [1]}), (KIND_DONE, {"frames": 1}), (KIND_FAILED, {})):
+        with pytest.raises(WireError, match="transfer"):
+            parse_header(kind, json.dumps({"transfer": tid, "secret": "s", **extra}).encode())
+
+
+def test_attempt_ids_are_valid_transfer_ids():
+    from serve_app.kv.wire import valid_transfer_id
+
+    for tid in ("chatcmpl-5f0c9d2e8a7b4c1d9e0f1a2b3c4d5e6f-1", "cmpl-abc-12", "t-1", "x", "a" * 256):
+        assert valid_transfer_id(tid)
+        assert parse_header(KIND_DONE, json.dumps({"transfer": tid, "secret": "s", "frames": 0}).encode()).transfer == tid
+
+
+def test_failure_reasons_from_a_peer_are_escaped():
+    header = parse_header(KIND_FAILED, json.dumps({"transfer": "t", "secret": "s", "reason": "boom\nWARNING forged\x1b[31m"}).encode())
+    assert "\n" not in header.reason and "\x1b" not in header.reason
+    assert header.reason == "boom\\nWARNING forged\\x1b[31m"

@@ -353,19 +353,31 @@ def test_unarmed_frames_are_bounded_in_bytes():
         worker.close()
 
 
+def trusted_peer(worker: ConsumerWorker, n: int) -> Peer:
+    """A connection that authenticated: it sent a frame with an armed transfer's secret."""
+    secret = arm(worker, f"req-auth-{n}", f"t-auth-{n}", [n])
+    peer = Peer(port_of(worker))
+    peer.layer(f"t-auth-{n}", secret, [n], layer_data(1, seed=60 + n)["l0"])
+    return peer
+
+
 def test_connections_are_bounded():
+    """Authenticated connections are bounded: a third producer is refused, and a freed slot is
+    reused. (Connections that have not authenticated have a pool of their own, where the oldest
+    makes way: tests/unit/test_kv_hardening.py.)"""
     worker = ConsumerWorker(settings(max_connections=2))
     worker.register_kv_caches(patterned_caches(seed=1))
     try:
-        kept = [Peer(port_of(worker)) for _ in range(2)]
-        time.sleep(0.2)
-        extra = Peer(port_of(worker))
+        kept = [trusted_peer(worker, i) for i in range(2)]
+        wait_for(lambda: len(worker.server._trusted) == 2)
+        extra = trusted_peer(worker, 2)
         assert extra.closed_by_peer()
         assert worker.server.refused_connections == 1
         kept[0].close()
-        time.sleep(0.2)
-        again = Peer(port_of(worker))  # a freed slot is reused
+        wait_for(lambda: len(worker.server._trusted) == 1)
+        again = trusted_peer(worker, 3)  # a freed slot is reused
         assert not again.closed_by_peer(timeout_s=0.3)
+        assert len(worker.server._trusted) == 2
         for p in (*kept, extra, again):
             p.close()
     finally:
