@@ -20,7 +20,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_HOST_IP := 127.0.0.1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup run test test-fast lint clean
+.PHONY: setup run test test-fast lint clean bench-goodput
 
 setup: $(INSTALLED) $(MODEL)
 
@@ -53,6 +53,16 @@ test: setup lint $(REFERENCE) $(VLLM023)
 # the router's coverage.
 test-fast: setup lint $(REFERENCE)
 	$(VENV)/bin/pytest -m "not engine and not slow" --cov=serve_app/router --cov-report=term --cov-fail-under=90
+
+# The goodput benchmark (docs/performance.md): builds the medium model on first use and draws
+# docs/goodput.png; about an hour on 2 cores. Not part of `make test`.
+DOCS_INSTALLED := $(VENV)/.docs-installed
+$(DOCS_INSTALLED): pyproject.toml | $(INSTALLED)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $@
+
+bench-goodput: setup $(DOCS_INSTALLED)
+	$(PY) scripts/bench_goodput.py --out .cache/goodput.json --plot docs/goodput.png
 
 lint: setup
 	$(VENV)/bin/ruff check serve_app tests scripts

@@ -6,8 +6,15 @@ BPE tokenizer trained on ``scripts/tiny_corpus.txt``, which the repo ships. Ever
 so the output folder is byte-identical on every run and machine (``tests/unit/test_tiny_model.py``
 builds it twice and compares hashes).
 
-Usage: ``python scripts/make_tiny_model.py [OUT_DIR]`` (default ``.cache/tiny-llama``). The folder
-is written atomically: a half-built model never sits at OUT_DIR.
+A second recipe, ``--recipe medium`` (hidden 256, 4 layers, about 3.5 M parameters, 14 MB), is
+large enough that a long prompt's prefill costs what it does on a real model relative to a decode
+step (a 2,048-token prefill takes several hundred milliseconds on one core here), so
+``scripts/bench_goodput.py`` can show what disaggregation buys; the tiny model's prefill is nearly
+free, so on it only overhead can be measured. The benchmark builds it on demand; ``make`` does not.
+
+Usage: ``python scripts/make_tiny_model.py [--recipe tiny|medium] [OUT_DIR]`` (default
+``.cache/tiny-llama`` or ``.cache/medium-llama``). The folder is written atomically: a half-built
+model never sits at OUT_DIR.
 """
 
 from __future__ import annotations
@@ -19,12 +26,41 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORPUS = REPO_ROOT / "scripts" / "tiny_corpus.txt"
-DEFAULT_OUT = REPO_ROOT / ".cache" / "tiny-llama"
 SEED = 1234
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A Llama shape. head_dim must be one the CPU attention backend accepts (32, 64, 80, ...)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+
+RECIPES = {
+    "tiny": Recipe(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32
+    ),
+    "medium": Recipe(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32
+    ),
+}
+
+
+def default_out(recipe: str) -> Path:
+    return REPO_ROOT / ".cache" / f"{recipe}-llama"
+
+
+DEFAULT_OUT = default_out("tiny")
 
 # Sizes the CPU attention backend accepts (head_dim 32); vocab_size leaves room above the
 # tokenizer's own vocabulary so a bigger corpus never overflows the embedding.
@@ -78,7 +114,7 @@ def build_tokenizer(out_dir: Path) -> int:
     return tokenizer.get_vocab_size()
 
 
-def build_model(out_dir: Path, bos_id: int, eos_id: int) -> None:
+def build_model(out_dir: Path, bos_id: int, eos_id: int, recipe: Recipe = RECIPES["tiny"]) -> None:
     """Random Llama weights from a fixed seed, saved as safetensors (float32)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -86,12 +122,7 @@ def build_model(out_dir: Path, bos_id: int, eos_id: int) -> None:
     torch.manual_seed(SEED)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        **asdict(recipe),
         max_position_embeddings=MAX_POSITIONS,
         # A wide init keeps the logits peaked, so greedy argmax has clear margins and does not
         # flip on the last-bit differences between batch shapes.
@@ -118,14 +149,14 @@ def folder_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def build(out_dir: Path) -> str:
+def build(out_dir: Path, recipe: str = "tiny") -> str:
     """Build into a temporary sibling folder, then move it into place; returns the digest."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         build_tokenizer(tmp)
         vocab = json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"]
-        build_model(tmp, bos_id=vocab["<s>"], eos_id=vocab["</s>"])
+        build_model(tmp, bos_id=vocab["<s>"], eos_id=vocab["</s>"], recipe=RECIPES[recipe])
         digest = folder_digest(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -138,10 +169,12 @@ def build(out_dir: Path) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", nargs="?", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="tiny")
+    parser.add_argument("out_dir", nargs="?", type=Path, default=None)
     args = parser.parse_args(argv)
-    digest = build(args.out_dir)
-    print(f"tiny model written to {args.out_dir} (sha256 {digest})")
+    out_dir = args.out_dir or default_out(args.recipe)
+    digest = build(out_dir, args.recipe)
+    print(f"{args.recipe} model written to {out_dir} (sha256 {digest})")
     return 0
 
 

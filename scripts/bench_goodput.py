@@ -1,0 +1,404 @@
+"""Where disaggregation pays: goodput under latency SLOs on a model whose prefill costs something.
+
+Usage: ``.venv/bin/python scripts/bench_goodput.py [--rates 1,2,4,6] [--requests 60] [--quick]
+[--out goodput.json] [--plot docs/goodput.png]`` (``make bench-goodput`` sets everything up and
+runs it; stop ``make run`` first: every target is started and stopped here, on free ports).
+
+The model is the ``medium`` recipe of ``scripts/make_tiny_model.py`` (built on demand, cached in
+``.cache/medium-llama``): a 2,048-token prefill takes about 200 ms on one core of the development
+machine, a decode step for a batch of 8 about 2 ms. With one engine, every long prompt's prefill
+stalls every running request's next token; with prefill and decode apart, decode keeps its pace.
+That is what this benchmark measures (DistServe's goodput; Splitwise and Mooncake make the same
+case).
+
+Targets, on the same cores (all of the host's):
+
+* ``vllm``: vLLM's own OpenAI server, one engine whose threads use every core, chunked prefill
+  on with a step budget of ``--chunk`` tokens (smaller steps bound how long a prefill stalls
+  decoding requests; that is vLLM's own answer to this problem);
+* ``colocated``: pd-serve with one decode engine on every core, the same engine arguments;
+* ``disaggregated``: pd-serve 1P1D, the prefill engine on the first core, the decode engine on
+  the last (its prefill takes the whole prompt in one step: there is no decode to protect).
+
+Workload: Poisson arrivals at each rate of ``--rates`` (requests per second), a fixed mix
+(``LONG_SHARE`` long prompts of ``LONG_IN`` tokens, the rest chat-sized ``SHORT_IN`` in), every
+request ``OUT`` output tokens, greedy, ``ignore_eos``, random token ids from a fixed seed (the
+same requests for every target). Per rate: TTFT p90, ITL p99 (the gaps between streamed chunks:
+the stalls a reader sees), TPOT p90, output tokens/s, SLO attainment and goodput.
+
+SLOs, fixed before any run (never tuned to a result): TTFT at most ``TTFT_SLO_S`` (five times a
+long prompt's prefill on one core, DistServe's headroom for queueing) and TPOT at most
+``TPOT_SLO_S`` (a fast reader's pace; ten decode steps of a batch of 8). Goodput at a rate is the
+number of requests that met both, per second of the run; the table also gives DistServe's
+summary, the highest rate at which at least ``ATTAINMENT`` of the requests met both.
+
+Also, once per pd-serve start: a long prompt alone, its TTFT on the disaggregated target against
+the prefill engine's own prefill time (the prefill engine reports it per transfer; with the push
+overlapped with the forward, TTFT should be barely more).
+
+Every figure compares targets within one run on one machine; they are not claims about others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, started, vllm_server_command  # noqa: E402
+
+from serve_app.ports import free_port  # noqa: E402
+
+MODEL_DIR = REPO_ROOT / ".cache" / "medium-llama"
+SERVED_NAME = "medium-llama"
+MAX_MODEL_LEN = 4096
+LONG_SHARE = 0.2
+LONG_IN = 2048
+SHORT_IN = 128
+OUT = 128
+TTFT_SLO_S = 1.0
+TPOT_SLO_S = 0.025
+ATTAINMENT = 0.9
+DEFAULT_RATES = (4.0, 8.0, 12.0, 16.0, 20.0)
+DEFAULT_CHUNK = 512
+TARGETS = ("vllm", "colocated", "disaggregated")
+VOCAB_LOW, VOCAB_HIGH = 10, 1000  # ordinary tokens of the recipe's tokenizer (no special ids)
+
+
+# ---------------------------------------------------------------------------- the workload (pure)
+@dataclass(frozen=True)
+class Request:
+    at_s: float  # arrival, from the run's start
+    prompt: list[int]
+    long: bool
+
+
+def workload(rate: float, count: int, seed: int) -> list[Request]:
+    """``count`` requests with exponential gaps of mean ``1 / rate``; the same for every target."""
+    rng = random.Random(seed)
+    at, out = 0.0, []
+    for _ in range(count):
+        at += rng.expovariate(rate)
+        long = rng.random() < LONG_SHARE
+        n = LONG_IN if long else SHORT_IN
+        out.append(Request(at, [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)], long))
+    return out
+
+
+@dataclass
+class Outcome:
+    long: bool
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    chunk_gaps_s: list[float] = field(default_factory=list)
+    e2e_s: float | None = None
+    tokens: int = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2e_s is None or self.tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1)
+
+    def meets(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+        tpot = self.tpot_s
+        return self.ok and self.ttft_s is not None and self.ttft_s <= ttft_slo_s and tpot is not None and tpot <= tpot_slo_s
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def summarize(outcomes: list[Outcome], wall_s: float, span_s: float) -> dict[str, float]:
+    """``wall_s``: from the first send to the last token (for tokens/s); ``span_s``: from the
+    run's start to the last arrival, the time over which the rate was offered (for goodput, so a
+    run's drain at the end does not count against it)."""
+    done = [o for o in outcomes if o.ok]
+    met = sum(o.meets(TTFT_SLO_S, TPOT_SLO_S) for o in outcomes)
+    return {
+        "requests": len(outcomes),
+        "failed": len(outcomes) - len(done),
+        "ttft_p90_s": percentile([o.ttft_s for o in done if o.ttft_s is not None], 90),
+        "itl_p99_s": percentile([g for o in done for g in o.chunk_gaps_s], 99),
+        "tpot_p90_s": percentile([t for o in done if (t := o.tpot_s) is not None], 90),
+        "short_ttft_p90_s": percentile([o.ttft_s for o in done if not o.long and o.ttft_s is not None], 90),
+        "tokens_per_s": sum(o.tokens for o in done) / wall_s if wall_s > 0 else math.nan,
+        "attainment": met / len(outcomes) if outcomes else math.nan,
+        "goodput_rps": met / span_s if span_s > 0 else math.nan,
+    }
+
+
+def max_rate_meeting(per_rate: dict[float, dict[str, float]], attainment: float = ATTAINMENT) -> float:
+    """DistServe's goodput: the highest rate tried at which enough requests met both SLOs (0 if none)."""
+    return max((rate for rate, s in per_rate.items() if s["attainment"] >= attainment), default=0.0)
+
+
+# ---------------------------------------------------------------------------- the client
+async def one_request(session: Any, url: str, request: Request, start: float) -> Outcome:
+    outcome = Outcome(long=request.long)
+    await asyncio.sleep(max(0.0, start + request.at_s - time.perf_counter()))
+    body = {
+        "model": SERVED_NAME,
+        "prompt": request.prompt,
+        "max_tokens": OUT,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    last = None
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                outcome.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return outcome
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if event.get("usage"):
+                    outcome.tokens = int(event["usage"]["completion_tokens"])
+                if not any(choice.get("text") for choice in event.get("choices") or []):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    outcome.ttft_s = now - sent
+                else:
+                    outcome.chunk_gaps_s.append(now - last)
+                last = now
+        outcome.e2e_s = time.perf_counter() - sent
+        outcome.ok = outcome.tokens == OUT
+        if not outcome.ok:
+            outcome.error = f"{outcome.tokens} tokens, not {OUT}"
+    except Exception as exc:  # a failed request counts against the target, it does not end the run
+        outcome.error = repr(exc)[:200]
+    return outcome
+
+
+async def drive(port: int, requests: list[Request]) -> tuple[list[Outcome], float]:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(*(one_request(session, url, r, start) for r in requests))
+        return list(outcomes), time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- targets
+def ensure_model() -> None:
+    if not (MODEL_DIR / "config.json").exists():
+        import make_tiny_model
+
+        make_tiny_model.build(MODEL_DIR, "medium")
+
+
+def app_args(target: str, chunk: int) -> dict[str, Any]:
+    (app,) = yaml.safe_load((REPO_ROOT / "configs" / "serve.yaml").read_text())["applications"]
+    args = dict(app["args"])
+    args.update(model=str(MODEL_DIR), served_model_name=SERVED_NAME, max_model_len=MAX_MODEL_LEN)
+    step = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True}
+    if target == "colocated":
+        args["prefill"] = {**args["prefill"], "replicas": 0}
+        args["decode"] = {**args["decode"], "cpu_bind": ["0-1"], "engine_kwargs": step}
+        args["router"] = {**args["router"], "mode": "colocated"}
+    else:
+        # The prefill engine takes a whole long prompt in one step: no decode runs there to protect.
+        args["prefill"] = {**args["prefill"], "cpu_bind": ["0"], "engine_kwargs": {"max_num_batched_tokens": MAX_MODEL_LEN}}
+        args["decode"] = {**args["decode"], "cpu_bind": ["1"], "engine_kwargs": step}
+    return args
+
+
+def command(target: str, port: int, workdir: Path, chunk: int) -> tuple[list[str], dict[str, str]]:
+    if target == "vllm":
+        import bench_serving
+
+        bench_serving.OVERRIDES.update(
+            {"model": str(MODEL_DIR), "served_model_name": SERVED_NAME, "max_model_len": MAX_MODEL_LEN, "decode.cpu_bind": ["0-1"]}
+        )
+        cmd, env = vllm_server_command(port)
+        cmd += ["--max-num-batched-tokens", str(chunk), "--enable-chunked-prefill"]
+        return cmd, env
+    config = yaml.safe_load((REPO_ROOT / "configs" / "serve.yaml").read_text())
+    (app,) = config["applications"]
+    app["args"] = app_args(target, chunk)
+    app["args"]["router"] = {**app["args"]["router"], "http": {**app["args"]["router"]["http"], "port": port}}
+    path = workdir / f"{target}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return [str(VENV_BIN / "serve"), "run", str(path)], base_env()
+
+
+def run_target(target: str, rates: list[float], count: int, chunk: int, workdir: Path) -> dict[str, Any]:
+    port = free_port()
+    cmd, env = command(target, port, workdir, chunk)
+    result: dict[str, Any] = {"host_speed": [host_speed()], "rates": {}}
+    print(f"== {target}: starting", file=sys.stderr)
+    with started(cmd, env, workdir / f"{target}.log", f"http://127.0.0.1:{port}/health", REPO_ROOT):
+        warm = workload(2.0, 6, seed=99)  # not recorded: cold paths and kernels for new shapes
+        asyncio.run(drive(port, warm))
+        alone = [Request(0.0, r.prompt, True) for r in workload(1.0, 40, seed=7) if r.long][:3]
+        result["long_alone_ttft_s"] = [asyncio.run(drive(port, [r]))[0][0].ttft_s for r in alone]
+        for rate in rates:
+            requests = workload(rate, count, seed=int(rate * 1000))
+            outcomes, wall = asyncio.run(drive(port, requests))
+            summary = summarize(outcomes, wall, span_s=requests[-1].at_s)
+            errors = sorted({o.error for o in outcomes if o.error})[:3]
+            result["rates"][rate] = {**summary, "errors": errors}
+            print(
+                f"== {target} rate {rate}: goodput {summary['goodput_rps']:.2f}/s, attainment {summary['attainment']:.0%}, "
+                f"TTFT p90 {summary['ttft_p90_s'] * 1000:.0f} ms, ITL p99 {summary['itl_p99_s'] * 1000:.0f} ms, failed {summary['failed']}",
+                file=sys.stderr,
+            )
+    result["host_speed"].append(host_speed())
+    return result
+
+
+# ---------------------------------------------------------------------------- report
+def ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}x" if theirs and not math.isnan(theirs) and not math.isnan(ours) else "n/a"
+
+
+def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone_s: float | None) -> str:
+    targets = [t for t in TARGETS if t in results]
+    lines = [
+        f"SLOs: TTFT <= {TTFT_SLO_S * 1000:.0f} ms and TPOT <= {TPOT_SLO_S * 1000:.0f} ms; workload {LONG_SHARE:.0%} x {LONG_IN} in, "
+        f"the rest {SHORT_IN} in, {OUT} out each, Poisson arrivals",
+        "",
+    ]
+    columns = (("goodput/s", 10), ("attain", 8), ("TTFT p90", 10), ("ITL p99", 9), ("TPOT p90", 10), ("tok/s", 8), ("failed", 7))
+    head = f"{'rate/s':>7} {'target':<14}" + "".join(f"{name:>{width}}" for name, width in columns)
+    lines += [head, "-" * len(head)]
+    for rate in rates:
+        for t in targets:
+            s = results[t]["rates"][rate]
+            lines.append(
+                f"{rate:>7.1f} {t:<14}{s['goodput_rps']:>10.2f}{s['attainment']:>8.0%}{s['ttft_p90_s'] * 1000:>8.0f}ms"
+                f"{s['itl_p99_s'] * 1000:>7.0f}ms{s['tpot_p90_s'] * 1000:>8.1f}ms{s['tokens_per_s']:>8.0f}{s['failed']:>7}"
+            )
+        lines.append("")
+    if "vllm" in results and "disaggregated" in results:
+        base, ours = results["vllm"]["rates"], results["disaggregated"]["rates"]
+        lines.append("Disaggregated against vLLM's server (goals: ITL p99 <= 0.5x, goodput >= 1.3x):")
+        for rate in rates:
+            lines.append(
+                f"  rate {rate:>4.1f}: ITL p99 {ratio(ours[rate]['itl_p99_s'], base[rate]['itl_p99_s'])}, "
+                f"goodput {ratio(ours[rate]['goodput_rps'], base[rate]['goodput_rps'])}"
+            )
+        best = {t: max_rate_meeting(results[t]["rates"]) for t in targets}
+        lines.append(
+            f"  highest rate with >= {ATTAINMENT:.0%} within both SLOs: "
+            + ", ".join(f"{t} {r:.1f}/s" for t, r in best.items())
+            + f" (disaggregated {ratio(best['disaggregated'], best['vllm'])})"
+        )
+    dis = results.get("disaggregated", {}).get("long_alone_ttft_s") or []
+    if dis and prefill_alone_s:
+        ttft = statistics.median(t for t in dis if t is not None)
+        lines += [
+            "",
+            f"A {LONG_IN}-token prompt alone: disaggregated TTFT {ttft * 1000:.0f} ms, the prefill engine's own prefill "
+            f"{prefill_alone_s * 1000:.0f} ms on the same core ({ratio(ttft, prefill_alone_s)}; goal <= 1.10x)",
+        ]
+    lines += ["", "The idle host before / after each target (wake-up round trip µs, Python loop ms):"]
+    for t in targets:
+        lines.append("  " + t + ": " + " / ".join(f"{h['wakeup_us']:.0f} µs, {h['loop_ms']:.0f} ms" for h in results[t]["host_speed"]))
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], rates: list[float], path: Path) -> None:
+    """Goodput and ITL p99 against rate, as DistServe draws them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for t in (t for t in TARGETS if t in results):
+        per = results[t]["rates"]
+        left.plot(rates, [per[r]["goodput_rps"] for r in rates], marker="o", label=t)
+        right.plot(rates, [per[r]["itl_p99_s"] * 1000 for r in rates], marker="o", label=t)
+    left.plot(rates, rates, linestyle=":", color="grey", label="offered")
+    left.set(xlabel="request rate (req/s)", ylabel="goodput (req/s within both SLOs)", title="Goodput")
+    right.set(xlabel="request rate (req/s)", ylabel="ITL p99 (ms)", title="Inter-chunk latency p99", yscale="log")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    mix = f"{LONG_SHARE:.0%} x {LONG_IN}-token prompts, {SHORT_IN} otherwise, {OUT} out"
+    fig.suptitle(f"{mix}; TTFT <= {TTFT_SLO_S}s, TPOT <= {TPOT_SLO_S * 1000:.0f}ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def prefill_time_alone(chunk: int, workdir: Path) -> float | None:
+    """The prefill engine's own time for a long prompt: vLLM's server on the prefill engine's
+    core with the prefill engine's arguments, TTFT of a long prompt alone (median of three)."""
+    import bench_serving
+
+    port = free_port()
+    bench_serving.OVERRIDES.update(
+        {"model": str(MODEL_DIR), "served_model_name": SERVED_NAME, "max_model_len": MAX_MODEL_LEN, "decode.cpu_bind": ["0"]}
+    )
+    cmd, env = vllm_server_command(port)
+    cmd += ["--max-num-batched-tokens", str(MAX_MODEL_LEN)]
+    print("== the prefill engine's own prefill time: starting", file=sys.stderr)
+    with started(cmd, env, workdir / "prefill-alone.log", f"http://127.0.0.1:{port}/health", REPO_ROOT):
+        asyncio.run(drive(port, workload(2.0, 4, seed=99)))
+        longs = [Request(0.0, r.prompt, True) for r in workload(1.0, 40, seed=7) if r.long][:3]
+        times = [asyncio.run(drive(port, [r]))[0][0].ttft_s for r in longs]
+    times = [t for t in times if t is not None]
+    return statistics.median(times) if times else None
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default=",".join(str(r) for r in DEFAULT_RATES), help="requests per second, comma-separated")
+    parser.add_argument("--requests", type=int, default=100, help="requests per rate and target")
+    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="max_num_batched_tokens of every engine that decodes")
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--quick", action="store_true", help="two rates, few requests (a smoke run)")
+    parser.add_argument("--out", type=Path, help="write every number as JSON here too")
+    parser.add_argument("--plot", type=Path, help="draw goodput and ITL p99 against rate into this PNG")
+    args = parser.parse_args(argv)
+    rates = [1.0, 3.0] if args.quick else [float(r) for r in args.rates.split(",")]
+    count = 12 if args.quick else args.requests
+    ensure_model()
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pdgoodput-") as tmp:
+        workdir = Path(tmp)
+        prefill_alone = prefill_time_alone(args.chunk, workdir) if "disaggregated" in args.targets else None
+        for target in args.targets.split(","):
+            results[target] = run_target(target, rates, count, args.chunk, workdir)
+    table = report(results, rates, prefill_alone)
+    print(table)
+    if args.out:
+        args.out.write_text(json.dumps({"results": results, "prefill_alone_s": prefill_alone, "table": table}, indent=2, default=str))
+    if args.plot:
+        with contextlib.suppress(ImportError):
+            plot(results, rates, args.plot)
+    failed = sum(s["failed"] for r in results.values() for s in r["rates"].values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,95 @@
+"""The goodput benchmark's workload and arithmetic (scripts/bench_goodput.py), without engines."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def goodput():
+    sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location("bench_goodput", SCRIPTS / "bench_goodput.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_goodput"] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(SCRIPTS))
+    for name in ("bench_goodput", "bench_serving", "make_tiny_model"):
+        sys.modules.pop(name, None)
+
+
+def test_the_workload_is_the_same_for_every_target_and_has_the_stated_mix(goodput):
+    first, again = goodput.workload(4.0, 2000, seed=3), goodput.workload(4.0, 2000, seed=3)
+    assert first == again
+    assert goodput.workload(4.0, 50, seed=4) != goodput.workload(4.0, 50, seed=3)
+    share = sum(r.long for r in first) / len(first)
+    assert abs(share - goodput.LONG_SHARE) < 0.03
+    assert {len(r.prompt) for r in first} == {goodput.LONG_IN, goodput.SHORT_IN}
+    assert all(len(r.prompt) == goodput.LONG_IN for r in first if r.long)
+    # Poisson arrivals: increasing times whose mean gap is 1 / rate.
+    times = [r.at_s for r in first]
+    assert times == sorted(times)
+    assert abs(times[-1] / len(times) - 1 / 4.0) < 0.03
+    assert all(goodput.VOCAB_LOW <= t < goodput.VOCAB_HIGH for r in first[:20] for t in r.prompt)
+
+
+def test_a_request_meets_the_slos_only_when_it_finished_within_both(goodput):
+    fast = goodput.Outcome(long=False, ok=True, ttft_s=0.2, e2e_s=0.2 + 0.01 * 127, tokens=128)
+    assert fast.tpot_s == pytest.approx(0.01)
+    assert fast.meets(ttft_slo_s=0.5, tpot_slo_s=0.02)
+    assert not fast.meets(ttft_slo_s=0.1, tpot_slo_s=0.02)
+    assert not fast.meets(ttft_slo_s=0.5, tpot_slo_s=0.005)
+    failed = goodput.Outcome(long=False, ok=False, ttft_s=0.2, e2e_s=1.0, tokens=128)
+    assert not failed.meets(ttft_slo_s=10, tpot_slo_s=10)
+    assert goodput.Outcome(long=False, ok=True, ttft_s=0.2, e2e_s=0.2, tokens=1).tpot_s is None
+
+
+def test_summary_counts_goodput_per_second_and_failed_requests_against_it(goodput):
+    slo_ttft, slo_tpot = goodput.TTFT_SLO_S, goodput.TPOT_SLO_S
+    good = goodput.Outcome(long=False, ok=True, ttft_s=slo_ttft / 2, e2e_s=slo_ttft / 2 + slo_tpot / 2 * 9, tokens=10)
+    good.chunk_gaps_s = [slo_tpot / 2] * 9
+    slow = goodput.Outcome(long=True, ok=True, ttft_s=slo_ttft * 2, e2e_s=slo_ttft * 2 + 0.001 * 9, tokens=10)
+    slow.chunk_gaps_s = [0.001] * 8 + [0.5]
+    failed = goodput.Outcome(long=False, error="HTTP 500")
+    summary = goodput.summarize([good, good, slow, failed], wall_s=2.0, span_s=1.0)
+    assert summary["requests"] == 4 and summary["failed"] == 1
+    assert summary["goodput_rps"] == pytest.approx(2.0)  # per second of offered load, not of the drain
+    assert summary["attainment"] == pytest.approx(0.5)
+    assert summary["itl_p99_s"] == pytest.approx(0.5)
+    assert summary["ttft_p90_s"] == pytest.approx(slo_ttft * 2)
+    assert summary["short_ttft_p90_s"] == pytest.approx(slo_ttft / 2)
+    assert summary["tokens_per_s"] == pytest.approx(15.0)
+
+
+def test_percentile_is_nearest_rank(goodput):
+    assert goodput.percentile(list(range(1, 101)), 99) == 99
+    assert goodput.percentile(list(range(1, 101)), 90) == 90
+    assert goodput.percentile([5.0], 99) == 5.0
+    assert math.isnan(goodput.percentile([], 50))
+
+
+def test_distserve_goodput_is_the_highest_rate_with_enough_attainment(goodput):
+    per_rate = {1.0: {"attainment": 1.0}, 2.0: {"attainment": 0.95}, 4.0: {"attainment": 0.5}, 3.0: {"attainment": 0.89}}
+    assert goodput.max_rate_meeting(per_rate) == 2.0
+    assert goodput.max_rate_meeting({1.0: {"attainment": 0.1}}) == 0.0
+
+
+def test_every_target_uses_every_core_and_the_same_step_budget(goodput):
+    colocated = goodput.app_args("colocated", chunk=256)
+    assert colocated["prefill"]["replicas"] == 0 and colocated["router"]["mode"] == "colocated"
+    assert colocated["decode"]["cpu_bind"] == ["0-1"]
+    assert colocated["decode"]["engine_kwargs"]["max_num_batched_tokens"] == 256
+    disaggregated = goodput.app_args("disaggregated", chunk=256)
+    assert disaggregated["prefill"]["cpu_bind"] == ["0"] and disaggregated["decode"]["cpu_bind"] == ["1"]
+    assert disaggregated["decode"]["engine_kwargs"]["max_num_batched_tokens"] == 256
+    assert disaggregated["prefill"]["engine_kwargs"]["max_num_batched_tokens"] >= goodput.LONG_IN
+    for args in (colocated, disaggregated):
+        assert args["model"].endswith("medium-llama") and args["max_model_len"] >= goodput.LONG_IN + goodput.OUT
