@@ -78,6 +78,19 @@ class RouterHTTPConfig(_Strict):
 
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: int | None = Field(None, ge=1, le=65535, description="port; none: only Serve's HTTP proxy (if enabled) serves HTTP")
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description=(
+            "largest request body accepted (413 beyond it, read no further): a prompt of max_model_len "
+            "tokens as JSON token ids or text is a small fraction of the default"
+        ),
+    )
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's whole header within this")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request's whole body must arrive within this (408 otherwise)")
+    max_connections: int = Field(
+        4096, ge=1, description="connections and requests in progress per router replica; beyond it new ones get a 503 (uvicorn)"
+    )
 
 
 class RouterConfig(_Strict):
@@ -101,6 +114,21 @@ class RouterConfig(_Strict):
     )
     leak_warn_after_s: float = Field(
         60.0, gt=0, description="leak audit: warn when an engine holds what no request needs for this long (router/leak_audit.py)"
+    )
+    trust_request_chat_template: bool = Field(
+        False,
+        description=(
+            "accept a chat template sent by the client (chat_template, chat_template_kwargs.chat_template), "
+            "as vLLM's --trust-request-chat-template: a template is code the router runs; off, they get a 400"
+        ),
+    )
+    operator_token: str | None = Field(
+        None,
+        min_length=16,
+        description=(
+            "bearer token for the full /pd/engines view (engine addresses and ports); without it the route "
+            "shows only names, roles, health and load"
+        ),
     )
 
 

@@ -92,17 +92,54 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-def coalescing_http_protocol() -> type[asyncio.Protocol]:
+def coalescing_http_protocol(header_timeout_s: float | None = None) -> type[asyncio.Protocol]:
     """The HTTP protocol uvicorn's ``http="auto"`` picks (httptools, else h11), on a
-    ``CoalescingTransport``."""
+    ``CoalescingTransport``; with httptools, a connection that has not sent a whole request
+    header within ``header_timeout_s`` of connecting (or of its request's first byte) is closed.
+
+    uvicorn bounds only the idle time between kept-alive requests: a client that sends half a
+    header, a byte at a time, holds its connection and its place in ``limit_concurrency``
+    forever. uvicorn has no setting for it, so the protocol's own parser callbacks arm and
+    disarm a timer."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # httptools is optional
+    except ImportError:  # httptools is optional; without it no header deadline
         from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
 
+        header_timeout_s = None
+
     class CoalescingHttpProtocol(base):  # type: ignore[valid-type, misc]
+        _header_deadline: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
+            self._arm_header_deadline()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm_header_deadline()
+
+        def on_headers_complete(self) -> None:
+            self._disarm_header_deadline()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self) -> None:
+            if header_timeout_s is not None and self._header_deadline is None:
+                self._header_deadline = asyncio.get_running_loop().call_later(header_timeout_s, self._header_expired)
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+
+        def _header_expired(self) -> None:
+            self._header_deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
 
     return CoalescingHttpProtocol
 
@@ -110,14 +147,28 @@ def coalescing_http_protocol() -> type[asyncio.Protocol]:
 class InReplicaServer:
     """Serves ``app`` on ``sock`` from the running event loop until ``stop``."""
 
-    def __init__(self, app: Any, sock: socket.socket, keep_alive_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        app: Any,
+        sock: socket.socket,
+        keep_alive_s: float = 5.0,
+        *,
+        header_timeout_s: float = 10.0,
+        max_connections: int | None = 4096,
+    ) -> None:
+        """``header_timeout_s``: a connection's request header must be complete within it;
+        ``max_connections``: connections plus requests in progress, beyond which uvicorn answers
+        503 at once (its ``limit_concurrency``). The defaults hold for the router's API, the
+        engines' call endpoints (one kept-alive connection per router) and the metaserver relay
+        (one per poster thread)."""
         self.sock = sock
         self.address = sock.getsockname()
         # log_config=None: uvicorn would otherwise run logging.config.dictConfig, which closes every
         # handler in the process, Serve's log-file handler of this replica included.
         config = uvicorn.Config(
             app,
-            http=coalescing_http_protocol(),
+            http=coalescing_http_protocol(header_timeout_s),
+            limit_concurrency=max_connections,
             log_config=None,
             log_level="warning",
             lifespan="off",

@@ -99,8 +99,9 @@ class EveryInterval:
     """A warning about many similar events as one line per interval with their count: whoever can
     reach the port must not be able to flood the log by connecting in a loop."""
 
-    def __init__(self, what: str, interval_s: float = LOG_INTERVAL_S) -> None:
+    def __init__(self, what: str, port: int, interval_s: float = LOG_INTERVAL_S) -> None:
         self.what = what
+        self.port = port
         self.interval_s = interval_s
         self._lock = threading.Lock()
         self._count = 0
@@ -122,7 +123,12 @@ class EveryInterval:
             count, latest = self._count, self._latest
             self._count, self._next_at = 0, now + self.interval_s
         logger.warning(
-            "kv receiver: %s %d connection(s) (latest: %s); next report in %.0fs at most", self.what, count, latest, self.interval_s
+            "kv receiver on port %d: %s %d connection(s) (latest: %s); next report in %.0fs at most",
+            self.port,
+            self.what,
+            count,
+            latest,
+            self.interval_s,
         )
 
 
@@ -182,12 +188,12 @@ class FrameServer:
         self._stop = threading.Event()
         self.refused_connections = 0  # over a trusted limit, or evicted from the pending pool
         self.handshake_timeouts = 0
-        self.refusals = EveryInterval("refused or timed out")
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((settings.host, settings.port))
         self._sock.listen(64)
         self.address = self._sock.getsockname()
+        self.refusals = EveryInterval("refused or timed out", self.address[1])
         threading.Thread(target=self._accept, name="kv-recv-accept", daemon=True).start()
         threading.Thread(target=self._watch, name="kv-recv-deadlines", daemon=True).start()
 
@@ -363,8 +369,9 @@ class ConsumerWorker:
         self.rejected_frames = 0  # frames refused: wrong secret, rules broken, over the early bounds
         self.broken_connections = 0  # connections closed because a frame broke the protocol
         self.expired_early_frames = 0  # frames of transfers never armed in time
-        self._broken_log = EveryInterval("closed after a bad frame")
+        self._broken_log = EveryInterval("closed after a bad frame", settings.port)
         self.server = FrameServer(settings, self._serve, tick=self._tick)
+        self._broken_log.port = self.server.address[1]
         logger.info("kv receiver listening on %s:%d", *self.server.address[:2])
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -23,7 +23,7 @@ from serve_app.engines.backends import engine_specs
 from serve_app.gc_heap import freeze_startup_heap
 from serve_app.logs import quiet_cancelled_requests, to_serve_logs
 from serve_app.metrics import router_metrics
-from serve_app.router.direct_http import serve_openai
+from serve_app.router.direct_http import authorized_operator, openai_call, serve_openai
 from serve_app.router.errors import error_body
 from serve_app.router.service import RouterService
 
@@ -112,11 +112,11 @@ class Router:
     # ------------------------------------------------------------------ HTTP routes
     @http_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self.service.http("completions", await request.body())
+        return await openai_call(self.service, "completions", request)
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self.service.http("chat", await request.body())
+        return await openai_call(self.service, "chat", request)
 
     @http_app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -127,8 +127,8 @@ class Router:
         return await self.service.health()
 
     @http_app.get("/pd/engines")
-    async def engines(self) -> dict[str, Any]:
-        return await self.service.engine_snapshot()
+    async def engines(self, request: Request) -> dict[str, Any]:
+        return await self.service.engine_view(authorized_operator(self.service, request.headers.get("authorization")))
 
     # ------------------------------------------------------------------ handle API
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

@@ -11,6 +11,8 @@ handle API is unchanged.
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 from typing import Any
 
 from starlette.applications import Starlette
@@ -20,16 +22,54 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve_app.http_server import InReplicaServer, listening_socket
-from serve_app.router.errors import error_body
+from serve_app.router.errors import OpenAIError, error_body
 from serve_app.router.service import RouterService
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request's body, refused with a 413 as soon as it is known to exceed ``limit`` (its
+    Content-Length, else the bytes read so far: never more than ``limit`` are held), and a 408
+    when it does not arrive within ``timeout_s`` (a client trickling its body holds a slot)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(413, f"Request body of {declared} bytes exceeds this server's limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise OpenAIError(413, f"Request body exceeds this server's limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise OpenAIError(408, f"Request body did not arrive within {timeout_s:g} s") from None
+    return b"".join(chunks)
+
+
+async def openai_call(service: RouterService, route: Any, request: Request) -> Response:
+    """An OpenAI route: the body within the configured limits, then the service."""
+    http = service.config.router.http
+    try:
+        body = await read_body(request, http.max_body_bytes, http.body_timeout_s)
+    except OpenAIError as exc:
+        service.refused(route, exc.status)
+        return JSONResponse(exc.body(), exc.status)
+    return await service.http(route, body)
+
+
+def authorized_operator(service: RouterService, authorization: str | None) -> bool:
+    """Whether the caller holds the operator token (``router.operator_token``); none is set: no one."""
+    token = service.config.router.operator_token
+    return token is not None and authorization is not None and secrets.compare_digest(authorization.encode(), f"Bearer {token}".encode())
 
 
 def openai_app(service: RouterService) -> Starlette:
     async def completions(request: Request) -> Response:
-        return await service.http("completions", await request.body())
+        return await openai_call(service, "completions", request)
 
     async def chat_completions(request: Request) -> Response:
-        return await service.http("chat", await request.body())
+        return await openai_call(service, "chat", request)
 
     async def models(request: Request) -> Response:
         return JSONResponse(service.models())
@@ -38,7 +78,8 @@ def openai_app(service: RouterService) -> Starlette:
         return await service.health()
 
     async def engines(request: Request) -> Response:
-        return JSONResponse(await service.engine_snapshot())
+        full = authorized_operator(service, request.headers.get("authorization"))
+        return JSONResponse(await service.engine_view(full))
 
     async def http_error(request: Request, exc: Any) -> Response:
         return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code)
@@ -57,4 +98,10 @@ def openai_app(service: RouterService) -> Starlette:
 
 def serve_openai(service: RouterService, host: str, port: int) -> InReplicaServer:
     """Start serving on ``host:port`` from the running event loop (the replica's)."""
-    return InReplicaServer(openai_app(service), listening_socket(host, port, reuse_port=True))
+    http = service.config.router.http
+    return InReplicaServer(
+        openai_app(service),
+        listening_socket(host, port, reuse_port=True),
+        header_timeout_s=http.header_timeout_s,
+        max_connections=http.max_connections,
+    )

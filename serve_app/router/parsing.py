@@ -12,6 +12,7 @@ before any engine is touched.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,7 +28,25 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 # Engine extra arguments pd-serve sets itself: a client may not set them, at the top level of
 # the request or through ``vllm_xargs`` (vLLM copies both into the engine's extra_args), since
 # they would steer an engine's KV transfer (where to post block ids, where to push KV).
-RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params"})
+RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params"})
+
+# apply_chat_template's own arguments: passed through chat_template_kwargs they would change what
+# the router renders (tokenize=True returns ids, a chat_template replaces the server's), so only
+# template variables may come that way.
+TEMPLATE_CALL_ARGS = frozenset(
+    {
+        "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+        "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but router.trust_request_chat_template is not set. "
+    "Refused request with untrusted chat template."
+)
+MAX_NESTING = 64  # deeper than any OpenAI request; a bound so checks never recurse unboundedly
+# Numbers the engines' msgpack encoding carries (vLLM's own engine protocol has the same range).
+INT_RANGE = (-(2**63), 2**64 - 1)
 
 
 @dataclass
@@ -39,10 +58,15 @@ class ModelContext:
     max_model_len: int
     vocab_size: int
     tokenizer: Any
+    trust_request_chat_template: bool = False
     encode: PromptEncoder = field(init=False, repr=False)
+    # Longer text cannot fit max_model_len tokens whatever it says (no token spells more
+    # characters than the vocabulary's longest): refused before the tokenizer spends time on it.
+    max_prompt_chars: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.encode = PromptEncoder(self.tokenizer)
+        self.max_prompt_chars = self.max_model_len * _longest_token_chars(self.tokenizer)
 
     def accepts(self, model: str | None) -> bool:
         return model is None or model == self.name or model in self.aliases
@@ -69,11 +93,50 @@ class ParsedRequest:
     return_token_ids: bool
 
 
-def decode_json(raw: bytes) -> Any:
+def _longest_token_chars(tokenizer: Any) -> int:
     try:
-        return json.loads(raw)
+        return max(8, max(len(token) for token in tokenizer.get_vocab()))
+    except Exception:  # a tokenizer without a vocabulary listing: a generous bound
+        return 64
+
+
+def decode_json(raw: bytes) -> Any:
+    """The body of an HTTP request. Lone surrogates can only come from ``\\uD8xx``-style escapes
+    (invalid UTF-8 bytes fail to decode), so only bodies with such an escape are walked."""
+    try:
+        body = json.loads(raw)
+        if _SURROGATE_ESCAPE.search(raw):
+            check_strings(body)
+        return body
+    except RecursionError:
+        raise bad_request("Request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_strings(body: Any) -> None:
+    """Every string must be valid Unicode (JSON's ``\\ud800`` decodes to a lone surrogate, which
+    no tokenizer, log line or response encoder takes) and nesting bounded; a 400 naming where.
+    For bodies that did not come through ``decode_json`` (the handle API)."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise bad_request(f"Request body is nested more deeply than {MAX_NESTING} levels", param=where or None)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request("A string is not valid Unicode (a lone surrogate)", param=where or None) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, where, depth + 1))
+                stack.append((item, f"{where}.{key}" if where else str(key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}.{i}" if where else str(i), depth + 1) for i, item in enumerate(value))
 
 
 def route_of(body: Any) -> Route:
@@ -100,7 +163,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{ctx.name}'", param="model")
 
     request = _validate(route, body)
-    _reject_unsupported(route, request)
+    _reject_unsupported(route, request, ctx)
 
     if route == "chat":
         prompt_token_ids = _chat_prompt_ids(request, ctx)
@@ -131,6 +194,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     params.output_kind = RequestOutputKind.DELTA
     params.detokenize = False
     params.logprobs = logprobs
+    _check_encodable(params)
     prefix = "chatcmpl" if route == "chat" else "cmpl"
     stream_options = request.stream_options
     return ParsedRequest(
@@ -198,7 +262,33 @@ def _describe(err: dict[str, Any]) -> str:
     return f"{where}: {msg}" if where else msg
 
 
-def _reject_unsupported(route: Route, request: Any) -> None:
+def _check_encodable(params: Any) -> None:
+    """Numbers vLLM's models accept without a bound (top_k, token ids, logit_bias keys) must fit
+    the engines' msgpack encoding; a 400 naming the field, not a failure at the engine call."""
+    from serve_app.sampling import encode_sampling
+
+    try:
+        encode_sampling(params)
+    except OverflowError:
+        low, high = INT_RANGE
+        bad = next((name for name in params.__struct_fields__ if _out_of_range(getattr(params, name, None))), None)
+        raise bad_request(f"A number is outside the range this server accepts ({low} to {high})", param=bad) from None
+
+
+def _out_of_range(value: Any, depth: int = 0) -> bool:
+    low, high = INT_RANGE
+    if isinstance(value, bool) or depth > MAX_NESTING:
+        return False
+    if isinstance(value, int):
+        return not low <= value <= high
+    if isinstance(value, dict):
+        return any(_out_of_range(k, depth + 1) or _out_of_range(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_out_of_range(v, depth + 1) for v in value)
+    return False
+
+
+def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
     def refuse(param: str, what: str) -> None:
         raise bad_request(f"{what} is not supported by this server", param=param)
 
@@ -221,8 +311,19 @@ def _reject_unsupported(route: Route, request: Any) -> None:
     else:
         if request.tools:
             refuse("tools", "Tool calling")
-        if request.chat_template is not None:
-            refuse("chat_template", "A per-request chat_template")
+        _check_template_kwargs(request, ctx)
+
+
+def _check_template_kwargs(request: Any, ctx: ModelContext) -> None:
+    """A client's template is code the router runs (its sandbox allows unbounded loops and
+    strings): refused unless the operator trusts clients, as vLLM does; other arguments of
+    apply_chat_template are never the client's."""
+    kwargs = request.chat_template_kwargs or {}
+    sent = request.chat_template is not None or kwargs.get("chat_template") is not None
+    if sent and not ctx.trust_request_chat_template:
+        raise bad_request(UNTRUSTED_TEMPLATE, param="chat_template" if request.chat_template is not None else "chat_template_kwargs")
+    for key in kwargs.keys() & (TEMPLATE_CALL_ARGS - {"chat_template"}):
+        raise bad_request(f"chat_template_kwargs.{key} is not a template variable", param=f"chat_template_kwargs.{key}")
 
 
 def _completion_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
@@ -232,6 +333,7 @@ def _completion_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
             raise bad_request(f"One prompt per request is supported, got {len(prompt)}", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_text_length(prompt, "prompt", ctx)
         ids = ctx.encode(prompt, request.add_special_tokens)
     else:
         ids = list(prompt)
@@ -251,21 +353,35 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
         if not isinstance(role, str):
             raise bad_request(f"messages[{i}].role must be a string", param=f"messages.{i}.role")
         conversation.append({"role": role, "content": _text_content(content, i)})
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.chat_template is not None:  # trusted by the operator (checked above)
+        kwargs["chat_template"] = request.chat_template
     try:
         text = ctx.tokenizer.apply_chat_template(
             conversation,
             tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            **(request.chat_template_kwargs or {}),
+            **kwargs,
         )
     except Exception as exc:  # a template error is the request's fault (bad roles, kwargs)
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
+    if not isinstance(text, str):
+        raise bad_request("The chat template did not render text", param="messages")
+    _check_text_length(text, "messages", ctx)
     # The template writes the special tokens (BOS) itself.
     ids = ctx.encode(text, request.add_special_tokens)
     if not ids:
         raise bad_request("The rendered prompt is empty", param="messages")
     return ids
+
+
+def _check_text_length(text: str, param: str, ctx: ModelContext) -> None:
+    if len(text) > ctx.max_prompt_chars:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens; the prompt's {len(text)} characters cannot fit in it",
+            param=param,
+        )
 
 
 def _text_content(content: Any, i: int) -> str:

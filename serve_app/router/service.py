@@ -30,11 +30,18 @@ from serve_app.router.engine_client import EngineClient
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
 from serve_app.router.framing import SSE_DONE, sse
 from serve_app.router.leak_audit import Discrepancy, LeakAudit
-from serve_app.router.parsing import ModelContext, ParsedRequest, Route, decode_json, parse_request, route_of
+from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
 from serve_app.router.pool import EnginePool
 from serve_app.router.session import ResponseSession
 
 logger = logging.getLogger("pd_serve.router")
+
+# Bodies larger than this are parsed (validated, rendered, tokenized) in a worker thread: about a
+# millisecond of tokenizing on the event loop, where every stream of the replica waits for it.
+OFFLOAD_BYTES = 64 * 1024
+PUBLIC_ENGINE_FIELDS = frozenset(
+    {"role", "healthy", "router_inflight", "router_reserved_tokens", "engine_inflight", "engine_running", "engine_waiting", "kv_usage"}
+)
 
 
 @dataclass
@@ -129,6 +136,7 @@ class RouterService:
             max_model_len=config.max_model_len,
             vocab_size=vocab_size,
             tokenizer=tokenizer,
+            trust_request_chat_template=config.router.trust_request_chat_template,
         )
         self.metrics = metrics
         audit = LeakAudit(
@@ -172,7 +180,7 @@ class RouterService:
         """A /v1/completions or /v1/chat/completions request, answered as the OpenAI API does."""
         received = time.monotonic()
         try:
-            parsed = parse_request(route, decode_json(raw_body), self.ctx)
+            parsed = await self._parse(route, raw_body)
         except OpenAIError as exc:
             self._count(route, exc.status)
             return JSONResponse(exc.body(), exc.status)
@@ -232,7 +240,8 @@ class RouterService:
         route = route_of(request)
         received = time.monotonic()
         try:
-            parsed = parse_request(route, {**request, "stream": True}, self.ctx)
+            check_strings(request)
+            parsed = await self._parse_body(route, {**request, "stream": True})
         except OpenAIError as exc:
             self._count(route, exc.status)
             yield exc.body()
@@ -251,12 +260,26 @@ class RouterService:
         received = time.monotonic()
         body = {k: v for k, v in request.items() if k != "stream_options"}
         try:
-            parsed = parse_request(route, {**body, "stream": False}, self.ctx)
+            check_strings(body)
+            parsed = await self._parse_body(route, {**body, "stream": False})
         except OpenAIError as exc:
             self._count(route, exc.status)
             return exc.body()
         _, response = await self._final(parsed, received)
         return response
+
+    async def engine_view(self, full: bool) -> dict[str, Any]:
+        """``/pd/engines``: the whole snapshot for the operator; for anyone else, only what a
+        client may see (names, roles, health, load), never engines' addresses, ports or records."""
+        snapshot = await self.engine_snapshot()
+        if full:
+            return snapshot
+        engines = {name: {k: v for k, v in engine.items() if k in PUBLIC_ENGINE_FIELDS} for name, engine in snapshot["engines"].items()}
+        return {"router": snapshot["router"], "engines": engines}
+
+    def refused(self, route: Route, status: int) -> None:
+        """Account a request refused before parsing (its body too large or too slow)."""
+        self._count(route, status)
 
     async def engine_snapshot(self, refresh: bool = True) -> dict[str, Any]:
         """Router-side counters and every engine's last stats (tests and operators)."""
@@ -265,6 +288,19 @@ class RouterService:
         return {"router": {"replica": self.replica_id, "inflight": self.inflight}, "engines": self.pool.snapshot()}
 
     # ------------------------------------------------------------------ internals
+    async def _parse(self, route: Route, raw: bytes) -> ParsedRequest:
+        """Parse on the event loop when it is cheap; a large body (tokenizing a long prompt, a
+        chat template over long messages) or a client's own template in a worker thread, so one
+        request never stalls every stream of this replica."""
+        if len(raw) > OFFLOAD_BYTES or (route == "chat" and self.ctx.trust_request_chat_template):
+            return await asyncio.to_thread(lambda: parse_request(route, decode_json(raw), self.ctx))
+        return parse_request(route, decode_json(raw), self.ctx)
+
+    async def _parse_body(self, route: Route, body: dict[str, Any]) -> ParsedRequest:
+        if route == "chat" and self.ctx.trust_request_chat_template:
+            return await asyncio.to_thread(parse_request, route, body, self.ctx)
+        return parse_request(route, body, self.ctx)
+
     def _session(self, parsed: ParsedRequest, received_at: float | None = None) -> ResponseSession:
         return ResponseSession(
             parsed,

@@ -40,6 +40,9 @@ def fail(message: str) -> None:
 # kernel's ephemeral range are never handed out by bind(0) or connect() (vLLM, Ray and Serve bind
 # theirs that way while the apps start; a port picked with bind(0) beforehand can be taken).
 SERVE_PORT, PD_PORT, REF_PORT = 28000, 28001, 28002
+# /pd/engines shows engines' addresses (kv_endpoint, call_endpoint) and records to the operator only.
+OPERATOR_TOKEN = "two-nodes-operator-token"
+OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
 
 
 def token_pattern(length: int, seed: int) -> list[int]:
@@ -48,7 +51,13 @@ def token_pattern(length: int, seed: int) -> list[int]:
 
 def app_args(name: str, port: int, disaggregated: bool) -> dict[str, Any]:
     timeouts = {"kv_ready_s": 20, "prefill_s": 30, "first_token_s": 60, "request_s": 180}
-    router = {"num_cpus": 0.05, "resources": {"pd_node1": 0.01}, "timeouts": timeouts, "http": {"host": "127.0.0.1", "port": port}}
+    router = {
+        "num_cpus": 0.05,
+        "resources": {"pd_node1": 0.01},
+        "timeouts": timeouts,
+        "http": {"host": "127.0.0.1", "port": port},
+        "operator_token": OPERATOR_TOKEN,
+    }
     if disaggregated:
         return {
             "served_model_name": MODEL,
@@ -70,7 +79,7 @@ def wait_healthy(base: str, timeout_s: float = 400) -> None:
     while time.monotonic() < deadline:
         try:
             if requests.get(base + "/health", timeout=5).status_code == 200:
-                engines = requests.get(base + "/pd/engines", timeout=10).json()["engines"]
+                engines = requests.get(base + "/pd/engines", headers=OPERATOR, timeout=10).json()["engines"]
                 if all(e["healthy"] for e in engines.values()):
                     return
         except requests.RequestException:
@@ -117,7 +126,7 @@ def main() -> None:
     pd, ref = f"http://127.0.0.1:{PD_PORT}", f"http://127.0.0.1:{REF_PORT}"
     wait_healthy(pd)
     wait_healthy(ref)
-    engines = requests.get(pd + "/pd/engines", timeout=10).json()["engines"]
+    engines = requests.get(pd + "/pd/engines", headers=OPERATOR, timeout=10).json()["engines"]
     hosts = {name: e["kv_endpoint"]["host"] for name, e in engines.items() if name.startswith("decode")}
     remote = [name for name, host in hosts.items() if host == NODE2]
     local = [name for name, host in hosts.items() if host != NODE2]
@@ -167,7 +176,7 @@ def main() -> None:
     busy = 0
     while busy == 0 and time.monotonic() < deadline:  # wait until node 2's engine is streaming
         time.sleep(0.5)
-        engine = requests.get(pd + "/pd/engines", timeout=10).json()["engines"][remote[0]]
+        engine = requests.get(pd + "/pd/engines", headers=OPERATOR, timeout=10).json()["engines"][remote[0]]
         busy = engine["router_inflight"] if (engine["engine_running"] or 0) > 0 else 0
     if busy == 0:
         fail(f"no request reached {remote[0]} on node 2")
@@ -196,7 +205,7 @@ def main() -> None:
     # 3. Nothing held: the router's counters are back to zero.
     deadline = time.monotonic() + 60
     while True:
-        snap = requests.get(pd + "/pd/engines", timeout=10).json()
+        snap = requests.get(pd + "/pd/engines", headers=OPERATOR, timeout=10).json()
         held = {n: e["router_inflight"] for n, e in snap["engines"].items() if e["router_inflight"]}
         if snap["router"]["inflight"] == 0 and not held:
             break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from serve_app.config import DEFAULT_MODEL_DIR
@@ -14,6 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_tiny_model.py"
 def load_script():
     spec = importlib.util.spec_from_file_location("make_tiny_model", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_tiny_model", module)  # dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module
 

@@ -1,0 +1,290 @@
+"""What a client cannot do to a router (issue 31): every hostile input is a 4xx with an OpenAI
+error body, never a 500, a stalled event loop or a held connection, and nothing stays held.
+
+Through the router's own HTTP app (router/direct_http.py) over the in-process app with mock
+engines; the server-level limits (header deadline, connection limit) on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+from unittest import mock
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from serve_app.http_server import InReplicaServer, listening_socket
+from serve_app.router.direct_http import openai_app, read_body
+from serve_app.router.errors import OpenAIError
+from tests.unit.inprocess import MOCK_ARGS, App
+
+BIG = 2**64 + 5
+PROMPT = [11, 12, 13]
+OPERATOR_TOKEN = "operator-token-0123456789"
+
+
+def app_args(**router: Any) -> dict[str, Any]:
+    out = copy.deepcopy(MOCK_ARGS)
+    out["router"] = {**out["router"], **router}
+    return out
+
+
+def run(body: Callable[[App, httpx.AsyncClient], Awaitable[None]], tokenizer: Any, **router: Any) -> None:
+    async def main() -> None:
+        app = await App.start(app_args(**router), tokenizer)
+        try:
+            transport = httpx.ASGITransport(app=openai_app(app.service))
+            async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as client:
+                await asyncio.wait_for(body(app, client), 60)
+            await app.idle()
+        finally:
+            await app.stop()
+
+    asyncio.run(main())
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+HOSTILE = {
+    "top_k": ({"top_k": BIG}, "top_k"),
+    "stop_token_ids": ({"stop_token_ids": [BIG]}, "stop_token_ids"),
+    "allowed_token_ids": ({"allowed_token_ids": [BIG]}, "allowed_token_ids"),
+    "logit_bias key": ({"logit_bias": {str(BIG): 1.0}}, "logit_bias"),
+    "negative top_k": ({"top_k": -BIG}, None),  # vLLM's own check refuses it first
+    "surrogate prompt": ({"prompt": "hi \ud800 there"}, "prompt"),
+    "surrogate model": ({"model": "\ud800"}, "model"),
+    "surrogate stop": ({"stop": ["\ud800"]}, "stop.0"),
+    "ec_transfer_params": ({"ec_transfer_params": {"x": 1}}, "ec_transfer_params"),
+    "vllm_xargs ec_transfer_params": ({"vllm_xargs": {"ec_transfer_params": "x"}}, "vllm_xargs.ec_transfer_params"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_fields_are_a_400_naming_them(engines_without_ray, tiny_tokenizer, case, stream):
+    fields, param = HOSTILE[case]
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        raw = json.dumps({"prompt": PROMPT, "max_tokens": 4, "stream": stream, **fields})  # ascii: \\ud800 stays an escape
+        response = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert_openai_error(response, 400, param)
+
+    run(body, tiny_tokenizer)
+
+
+def test_surrogates_in_chat_messages_and_through_the_handle_api(engines_without_ray, tiny_tokenizer):
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        raw = json.dumps({"messages": [{"role": "user", "content": "a\ud800"}], "max_tokens": 3})
+        response = await client.post("/v1/chat/completions", content=raw)
+        assert_openai_error(response, 400, "messages.0.content")
+        final = await app.service.complete({"prompt": "x\udfff", "max_tokens": 3})
+        assert final["error"]["code"] == 400 and final["error"]["param"] == "prompt"
+        events = [e async for e in app.service.generate({"messages": [{"role": "\ud800", "content": "hi"}]})]
+        assert len(events) == 1 and events[0]["error"]["code"] == 400
+
+    run(body, tiny_tokenizer)
+
+
+def test_deeply_nested_or_broken_json_is_a_400(engines_without_ray, tiny_tokenizer):
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        for raw in (b"[" * 100_000, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", b'{"prompt": "unterminated', b"\xff\xfe"):
+            assert_openai_error(await client.post("/v1/completions", content=raw), 400)
+        nested: Any = "x"
+        for _ in range(200):
+            nested = {"a": nested}
+        final = await app.service.complete({"prompt": "hi", "max_tokens": 2, "vllm_xargs": nested})
+        assert final["error"]["code"] == 400
+
+    run(body, tiny_tokenizer)
+
+
+def test_a_client_chat_template_is_refused_unless_the_operator_trusts_clients(engines_without_ray, tiny_tokenizer):
+    messages = [{"role": "user", "content": "hi"}]
+    smuggled = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {"chat_template": "{{ 'x' * 100000000 }}"}}
+    direct = {"messages": messages, "max_tokens": 2, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}
+
+    async def refused(app: App, client: httpx.AsyncClient) -> None:
+        error = assert_openai_error(await client.post("/v1/chat/completions", json=smuggled), 400, "chat_template_kwargs")
+        assert "trust_request_chat_template" in error["message"]
+        assert_openai_error(await client.post("/v1/chat/completions", json=direct), 400, "chat_template")
+        for key in ("tokenize", "return_dict", "tokenizer_kwargs"):
+            bad = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {key: True}}
+            assert_openai_error(await client.post("/v1/chat/completions", json=bad), 400, f"chat_template_kwargs.{key}")
+        # Template variables still pass.
+        fine = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
+        assert (await client.post("/v1/chat/completions", json=fine)).status_code == 200
+
+    run(refused, tiny_tokenizer)
+
+    async def trusted(app: App, client: httpx.AsyncClient) -> None:
+        assert (await client.post("/v1/chat/completions", json=direct)).status_code == 200
+        # Trusted, but what it renders is still bounded by what the model can take.
+        assert_openai_error(await client.post("/v1/chat/completions", json=smuggled), 400, "messages")
+
+    run(trusted, tiny_tokenizer, trust_request_chat_template=True)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(engines_without_ray, tiny_tokenizer):
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        too_long = "a" * (app.service.ctx.max_prompt_chars + 1)
+        with mock.patch.object(app.service.ctx, "encode", side_effect=AssertionError("tokenized")):
+            assert_openai_error(await client.post("/v1/completions", json={"prompt": too_long, "max_tokens": 2}), 400, "prompt")
+
+    run(body, tiny_tokenizer)
+
+
+def test_large_bodies_are_parsed_off_the_event_loop(engines_without_ray, tiny_tokenizer):
+    import serve_app.router.service as service_module
+
+    threads: list[str] = []
+    real = service_module.parse_request
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        with mock.patch.object(service_module, "parse_request", recording):
+            assert (await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).status_code == 200
+            padding = " " * (service_module.OFFLOAD_BYTES + 1)  # JSON whitespace: the same request, a large body
+            raw = json.dumps({"prompt": PROMPT, "max_tokens": 2}).replace(",", "," + padding, 1)
+            assert (await client.post("/v1/completions", content=raw)).status_code == 200
+        main = threading.main_thread().name
+        assert threads[0] == main and threads[1] != main
+
+    run(body, tiny_tokenizer)
+
+
+def test_bodies_over_the_limit_are_a_413_without_being_read_whole(engines_without_ray, tiny_tokenizer):
+    limit = 4096
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        declared = await client.post("/v1/completions", content=b"x" * (limit + 1))
+        assert_openai_error(declared, 413)
+
+        async def chunks():  # no Content-Length: counted while read
+            for _ in range(100):
+                yield b"y" * 1024
+
+        assert_openai_error(await client.post("/v1/completions", content=chunks()), 413)
+        fine = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+        assert (await client.post("/v1/completions", content=fine)).status_code == 200
+
+    run(body, tiny_tokenizer, http={"max_body_bytes": limit})
+
+
+def test_read_body_stops_reading_at_the_limit_and_gives_a_slow_body_a_deadline():
+    received: list[int] = []
+
+    def request(chunks: list[bytes], stall: bool = False) -> Request:
+        queue = list(chunks)
+
+        async def receive() -> dict[str, Any]:
+            if queue:
+                received.append(1)
+                return {"type": "http.request", "body": queue.pop(0), "more_body": bool(queue) or stall}
+            await asyncio.sleep(3600)  # a client that stopped sending
+            return {}
+
+        return Request({"type": "http", "method": "POST", "headers": []}, receive)
+
+    async def main() -> None:
+        with pytest.raises(OpenAIError) as too_big:
+            await read_body(request([b"a" * 600] * 50), limit=1000, timeout_s=5)
+        assert too_big.value.status == 413 and len(received) == 2  # stopped at the chunk that crossed it
+        with pytest.raises(OpenAIError) as slow:
+            await read_body(request([b"{"], stall=True), limit=1000, timeout_s=0.2)
+        assert slow.value.status == 408
+        assert await read_body(request([b"ab", b"cd"]), limit=1000, timeout_s=5) == b"abcd"
+
+    asyncio.run(main())
+
+
+def test_pd_engines_shows_addresses_to_the_operator_only(engines_without_ray, tiny_tokenizer):
+    private = {"kv_endpoint", "call_endpoint", "extra", "kv_capacity_tokens"}
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        full = (await app.service.engine_snapshot())["engines"]["decode-0"]
+        assert private <= full.keys()  # the handle API (inside the cluster) keeps the whole view
+        anyone = (await client.get("/pd/engines")).json()["engines"]["decode-0"]
+        wrong = (await client.get("/pd/engines", headers={"Authorization": "Bearer nope"})).json()["engines"]["decode-0"]
+        for view in (anyone, wrong):
+            assert not private & view.keys() and view["role"] == "decode" and "healthy" in view
+        operator = await client.get("/pd/engines", headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"})
+        assert private <= operator.json()["engines"]["decode-0"].keys()
+
+    run(body, tiny_tokenizer, operator_token=OPERATOR_TOKEN)
+
+
+# ---------------------------------------------------------------------------- on a real socket
+async def _hello(request: Request) -> JSONResponse:
+    await asyncio.sleep(float(request.query_params.get("hold", "0")))
+    return JSONResponse({"ok": True})
+
+
+def _server(**limits: Any) -> InReplicaServer:
+    app = Starlette(routes=[Route("/", _hello)])
+    return InReplicaServer(app, listening_socket("127.0.0.1", 0), **limits)
+
+
+def _closed_by_server(sock: socket.socket, timeout_s: float) -> bool:
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1024) == b""
+    except (TimeoutError, ConnectionResetError):
+        return False
+
+
+def test_a_half_sent_header_is_closed_at_the_deadline_and_whole_requests_are_served():
+    async def main() -> None:
+        server = _server(header_timeout_s=0.3)
+        port = server.address[1]
+        try:
+            idle = socket.create_connection(("127.0.0.1", port))
+            half = socket.create_connection(("127.0.0.1", port))
+            half.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+            closed = await asyncio.gather(*(asyncio.to_thread(_closed_by_server, s, 10) for s in (idle, half)))
+            assert closed == [True, True]
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                for _ in range(3):  # kept alive past the deadline: it applies to a header only
+                    assert (await client.get("/")).json() == {"ok": True}
+                    await asyncio.sleep(0.4)
+            for sock in (idle, half):
+                sock.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_connections_beyond_the_limit_get_a_503():
+    async def main() -> None:
+        server = _server(max_connections=3)  # uvicorn refuses when connections reach the limit: two served
+        port = server.address[1]
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=httpx.Limits(max_keepalive_connections=0)) as c:
+                held = [asyncio.create_task(c.get("/", params={"hold": "1"})) for _ in range(2)]
+                await asyncio.sleep(0.3)
+                assert (await c.get("/")).status_code == 503
+                assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+                assert (await c.get("/")).status_code == 200
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
