@@ -33,7 +33,7 @@ from serve_app.logs import attempt_log_level
 from serve_app.metrics import RouterMetrics
 from serve_app.protocol import EngineRejected, EngineRequest, KVEndpoint, KVReady, PrefillResult, Role, TokenDelta
 from serve_app.router.balancer import EngineLoad
-from serve_app.router.engine_client import EngineUnreachable
+from serve_app.router.engine_client import EngineCallFailed, EngineUnreachable
 from serve_app.router.pool import EnginePool
 from serve_app.router.recompute import AttemptPlan, Phase
 from serve_app.sampling import encode_sampling
@@ -91,11 +91,21 @@ class DeltaEvent:
 
 @dataclass
 class AttemptFailed:
-    reason: str
+    reason: str  # what the client may read if this ends the response: no addresses, no secrets
     retryable: bool
     engine: str | None = None
     status: int = 500  # HTTP status if this failure ends the response
     kind: str = "engine"  # metrics: pd_errors_total{kind}
+    detail: str = ""  # for the router's log only
+
+
+def failure_of(exc: BaseException) -> tuple[str, str]:
+    """(what a client may read, what the log may read) of an engine call's error. pd-serve's own
+    transport errors are written to be read (engine_client.py); anything else (Ray's errors name
+    nodes, actors and processes) is summarised by its class for the client."""
+    if isinstance(exc, (EngineUnreachable, EngineCallFailed)):
+        return str(exc), ""
+    return type(exc).__name__, str(exc)[:1000]
 
 
 AttemptEvent = KVReadyEvent | PrefillDoneEvent | DeltaEvent | AttemptFailed
@@ -266,7 +276,8 @@ class AttemptRun:
         if exc is not None:
             if engine_gone(exc):
                 self.executor.pool.mark_unhealthy(self.prefill)
-            return AttemptFailed(f"prefill engine {self.prefill} failed: {exc}", True, self.prefill, 502, "prefill")
+            reason, detail = failure_of(exc)
+            return AttemptFailed(f"prefill engine {self.prefill} failed: {reason}", True, self.prefill, 502, "prefill", detail)
         self.executor.metrics.prefill.observe(time.monotonic() - self.prefill_started)
         self.prefill_lease.close()  # its prompt is no longer queued on that engine
         if self.phase is Phase.PREFILLING:
@@ -281,7 +292,8 @@ class AttemptRun:
         if error is not None:
             if engine_gone(error):
                 self.executor.pool.mark_unhealthy(self.decode)
-            yield AttemptFailed(f"decode engine {self.decode} failed: {error}", True, self.decode, 502, "decode")
+            reason, detail = failure_of(error)
+            yield AttemptFailed(f"decode engine {self.decode} failed: {reason}", True, self.decode, 502, "decode", detail)
             return
         if isinstance(item, KVReady):
             self.executor.metrics.kv_ready.observe(time.monotonic() - self.started)

@@ -40,6 +40,12 @@ class EngineCallFailed(RuntimeError):
     """The replica answered, but its call failed (it raised, or refused the call)."""
 
 
+# Errors of this module name the failure, never the endpoint's URL or the call's headers (its
+# token): they become attempts' failure reasons, which are logged and, after the last attempt,
+# sent to the client. aiohttp's exceptions carry both (a ClientResponseError's repr holds the
+# request's headers), so they are summarised by class and never chained.
+
+
 class EngineClient:
     """One per router replica: a pool of kept-alive connections to the engines' endpoints."""
 
@@ -71,10 +77,10 @@ class EngineClient:
         try:
             async with self._http().post(endpoint.url + path, data=encode_request(request), headers=headers) as response:
                 if response.status != 200:
-                    reason = (await response.read()).decode(errors="replace")[:500]
                     if response.status == 401:  # another replica at that address now: ours is gone
-                        raise EngineUnreachable(f"engine endpoint {endpoint.url} refused its token: {reason}")
-                    raise EngineCallFailed(f"engine endpoint answered {response.status}: {reason}")
+                        raise EngineUnreachable("the engine's endpoint refused its token (the replica was replaced)")
+                    reason = (await response.read()).decode(errors="replace")[:500]
+                    raise EngineCallFailed(f"the engine's endpoint answered {response.status}: {reason}")
                 reader = FrameReader()
                 async for chunk in response.content.iter_any():
                     for message in reader.feed(chunk):
@@ -84,9 +90,11 @@ class EngineClient:
                 if reader.pending:
                     raise EngineUnreachable(f"the engine's answer ended inside a frame ({reader.pending} bytes)")
         except aiohttp.ClientError as exc:
-            raise EngineUnreachable(f"engine endpoint {endpoint.url}: {exc!r}") from exc
+            raise EngineUnreachable(f"the engine's endpoint could not be reached ({type(exc).__name__})") from None
+        except asyncio.TimeoutError as exc:  # aiohttp's connect timeout
+            raise EngineUnreachable(f"the engine's endpoint did not answer in time ({type(exc).__name__})") from None
         except WireError as exc:
-            raise EngineCallFailed(f"engine endpoint {endpoint.url} sent a broken answer: {exc}") from exc
+            raise EngineCallFailed(f"the engine's endpoint sent a broken answer: {exc}") from None
 
     async def close(self) -> None:
         if self._session is not None:

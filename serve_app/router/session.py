@@ -174,10 +174,11 @@ class ResponseSession:
         assert isinstance(event, AttemptFailed)
         self.metrics.errors.inc(tags={"kind": event.kind})
         logger.warning(
-            "request %s attempt %d failed: %s",
+            "request %s attempt %d failed: %s%s",
             machine.request_id,
             machine.attempts,
             event.reason,
+            f" ({event.detail})" if event.detail else "",
             extra={"pd_request": machine.request_id, "pd_engine": event.engine, "pd_error": event.kind},
         )
         return machine.on_attempt_failed(event.reason, event.retryable, event.engine, event.status)
