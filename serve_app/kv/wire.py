@@ -192,6 +192,8 @@ def parse_header(kind: int, raw: bytes | bytearray) -> Header:
     """The header of a frame of ``kind``; any deviation from the schema is a ``WireError``."""
     try:
         obj = json.loads(raw)
+    except RecursionError:  # a peer's nesting is a bad frame, not a receiver error with a traceback
+        raise WireError("header is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise WireError(f"header is not JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -220,6 +222,8 @@ def parse_ack(raw: bytes | bytearray) -> AckHeader:
     """An ack frame's header (decode -> prefill); any deviation from the schema is a ``WireError``."""
     try:
         obj = json.loads(raw)
+    except RecursionError:
+        raise WireError("ack header is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise WireError(f"ack header is not JSON: {exc}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("ok"), bool):

@@ -266,3 +266,15 @@ def test_failure_reasons_from_a_peer_are_escaped():
     header = parse_header(KIND_FAILED, json.dumps({"transfer": "t", "secret": "s", "reason": "boom\nWARNING forged\x1b[31m"}).encode())
     assert "\n" not in header.reason and "\x1b" not in header.reason
     assert header.reason == "boom\\nWARNING forged\\x1b[31m"
+
+
+@pytest.mark.parametrize("kind", ["header", "ack"])
+def test_a_deeply_nested_header_is_a_bad_frame_not_a_receiver_error(kind):
+    """Nesting past Python's recursion limit fits inside the header size caps (2 bytes a level);
+    it must close the connection as any bad frame does, not end in a logged traceback."""
+    from serve_app.kv.wire import MAX_ACK_HEADER_BYTES, parse_ack
+
+    raw = b"[" * 1020 + b"]" * 1020
+    assert len(raw) <= min(MAX_ACK_HEADER_BYTES, FrameLimits(max_blocks=17, block_bytes=192).max_header_bytes)
+    with pytest.raises(WireError, match="nested"):
+        parse_ack(raw) if kind == "ack" else parse_header(KIND_LAYER, raw)
