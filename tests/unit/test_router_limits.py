@@ -247,7 +247,9 @@ def _closed_by_server(sock: socket.socket, timeout_s: float) -> bool:
     sock.settimeout(timeout_s)
     try:
         return sock.recv(1024) == b""
-    except (TimeoutError, ConnectionResetError):
+    except ConnectionResetError:  # closed while the client was still sending
+        return True
+    except TimeoutError:
         return False
 
 
@@ -286,5 +288,53 @@ def test_connections_beyond_the_limit_get_a_503():
                 assert (await c.get("/")).status_code == 200
         finally:
             await server.stop()
+
+    asyncio.run(main())
+
+
+def test_idle_and_slow_connections_leave_real_requests_served(engines_without_ray, tiny_tokenizer):
+    """32 connections that send nothing and 32 that trickle a header byte by byte, against the
+    router's own server (the in-process app behind it): real requests are served meanwhile and
+    the strangers are closed at the header deadline."""
+    from serve_app.router.direct_http import serve_openai
+
+    async def main() -> None:
+        args = app_args(http={"host": "127.0.0.1", "port": 1, "header_timeout_s": 1.0})
+        app = await App.start(args, tiny_tokenizer)
+        server = serve_openai(app.service, "127.0.0.1", 0)
+        port = server.address[1]
+        stop = asyncio.Event()
+        try:
+            idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
+            slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
+
+            async def trickle() -> None:
+                header = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
+                for i in range(len(header)):
+                    if stop.is_set():
+                        return
+                    for sock in slow:
+                        try:
+                            sock.send(header[i : i + 1])
+                        except OSError:
+                            pass
+                    await asyncio.sleep(0.2)
+
+            trickling = asyncio.create_task(trickle())
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                for _ in range(5):
+                    response = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+                    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+            closed = await asyncio.gather(*(asyncio.to_thread(_closed_by_server, s, 10) for s in idle + slow))
+            assert all(closed), f"{closed.count(False)} strangers still connected"
+            stop.set()
+            await trickling
+            for sock in idle + slow:
+                sock.close()
+            await app.idle()
+        finally:
+            stop.set()
+            await server.stop()
+            await app.stop()
 
     asyncio.run(main())
