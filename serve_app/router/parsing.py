@@ -246,6 +246,10 @@ def _validate(route: Route, body: dict[str, Any]) -> Any:
         raise bad_request(message, param=param) from None
     except _client_errors() as exc:
         raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
+    except (TypeError, AttributeError, KeyError, IndexError) as exc:
+        # vLLM's "before" validators read the raw body assuming the right shapes (a list where
+        # they expect a dict fails on .get): a body of the wrong shape, so the client's 400.
+        raise bad_request(f"Invalid request: {type(exc).__name__}: {exc}") from None
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:

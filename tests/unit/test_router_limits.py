@@ -72,6 +72,7 @@ HOSTILE = {
     "surrogate stop": ({"stop": ["\ud800"]}, "stop.0"),
     "ec_transfer_params": ({"ec_transfer_params": {"x": 1}}, "ec_transfer_params"),
     "vllm_xargs ec_transfer_params": ({"vllm_xargs": {"ec_transfer_params": "x"}}, "vllm_xargs.ec_transfer_params"),
+    "structured_outputs of the wrong shape": ({"structured_outputs": []}, None),  # found by the fast fuzzer
 }
 
 
