@@ -14,8 +14,8 @@ from typing import Any
 
 from ray.serve import Application
 
-from serve_app.config import load_config
-from serve_app.engines.backends import BACKENDS, EngineSpec, engine_specs
+from serve_app.config import ConfigError, load_config
+from serve_app.engines.backends import BACKENDS, EngineSpec, engine_specs, environment_problems
 
 ENGINE_MAX_ONGOING_REQUESTS = 1024
 
@@ -56,6 +56,9 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
     config = load_config(args)
     engines = {}
     for spec in engine_specs(config):
+        problems = environment_problems(BACKENDS[config.backend], spec.env)
+        if problems:
+            raise ConfigError(f"invalid pd-serve config: {spec.role}.env: " + "; ".join(problems))
         if plugins.kv_connector:
             spec = _with_connector(spec, plugins.kv_connector)
         deployment = (plugins.prefill_cls or Prefill) if spec.role == "prefill" else (plugins.decode_cls or Decode)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -43,6 +43,15 @@ class Backend:
     # None where the backend has no such scheduler.
     recompute_via: Literal["scheduler_cls", "additional_config"] | None
     recompute_scheduler_cls: str | None = None
+    # The recompute switch is accepted only on a KV consumer (vllm-ascend's platform.py raises at
+    # start for an engine without a kv_transfer_config): a colocated app then runs without it,
+    # and its decode engines preempt locally as plain vLLM does.
+    recompute_needs_kv_transfer: bool = False
+    # Environment variables an engine of this backend refuses to start with, and why.
+    refused_env: Mapping[str, str] = field(default_factory=dict)
+    # Keep loopback out of any HTTP proxy: the decode engine core posts its KV parameters to the
+    # replica's relay on 127.0.0.1 with an HTTP client that honours *_PROXY (vllm-ascend: httpx).
+    loopback_no_proxy: bool = False
     engine_defaults: Mapping[str, Any] = field(default_factory=dict)
     engine_env: Mapping[str, str] = field(default_factory=dict)
     # The router replica's environment (it loads the tokenizer, never an engine).
@@ -111,6 +120,19 @@ ASCEND = Backend(
     kv_connector="MooncakeLayerwiseConnector",
     kv_connector_module_path=None,  # vllm-ascend registers it with vLLM's connector factory
     recompute_via="additional_config",
+    recompute_needs_kv_transfer=True,
+    refused_env={
+        "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": (
+            "Ray would stop setting ASCEND_RT_VISIBLE_DEVICES for each replica, so every engine on a node "
+            "would see every NPU and engines would collide; pd-serve relies on Ray's NPU allocation"
+        ),
+        "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": (
+            "vllm-ascend's Mooncake connector matches prefill and decode requests by the request id "
+            "without its random 9-character suffix; without the suffix the match fails (the relay "
+            "answers 403 and the push's done signal never matches)"
+        ),
+    },
+    loopback_no_proxy=True,
     engine_defaults={},
     # As vllm-ascend's P/D guide (docs/source/tutorials/features/pd_disaggregation_mooncake_*.md)
     # sets them for its engines; a group's ``env`` overrides them.
@@ -261,7 +283,7 @@ def build_engine_kwargs(config: AppConfig, backend: Backend, role: Role, *, kv_p
         kwargs["served_model_name"] = config.served_model_name
     if kv_transfer_enabled(config):
         kwargs["kv_transfer_config"] = _kv_transfer_config(config, backend, role, kv_port, engine_id)
-    if role == "decode" and config.decode.recompute and backend.recompute_via is not None:
+    if role == "decode" and recompute_enabled(config):
         _enable_recompute(kwargs, backend)
     if backend.mock_engine:
         kwargs["mock"] = {
@@ -277,6 +299,39 @@ def kv_transfer_enabled(config: AppConfig) -> bool:
     both disaggregated attempts and colocated ones (the fallback), and a connector is idle for a
     request that carries no kv_transfer_params."""
     return BACKENDS[config.backend].kv_connector is not None and config.prefill.replicas > 0
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def no_proxy_with_loopback(existing: str | None) -> str:
+    """``existing`` (a NO_PROXY value) with the loopback hosts added, order and entries kept."""
+    entries = [e.strip() for e in (existing or "").split(",") if e.strip()]
+    return ",".join(entries + [h for h in LOOPBACK_HOSTS if h not in entries])
+
+
+def environment_problems(backend: Backend, env: Mapping[str, str]) -> list[str]:
+    """Why an engine of ``backend`` must not start with ``env``, one line per variable set."""
+    return [f"{name} is set: {why}; unset it" for name, why in backend.refused_env.items() if env.get(name, "") not in ("", "0")]
+
+
+def prepare_engine_environment(backend: Backend, environ: MutableMapping[str, str]) -> None:
+    """At an engine replica's start, before the engine's processes are spawned (they inherit the
+    environment): refuse what breaks the backend, keep loopback out of any proxy."""
+    problems = environment_problems(backend, environ)
+    if problems:
+        raise RuntimeError(f"the {backend.name} backend cannot start an engine: " + "; ".join(problems))
+    if backend.loopback_no_proxy:
+        for name in ("NO_PROXY", "no_proxy"):
+            environ[name] = no_proxy_with_loopback(environ.get("NO_PROXY") or environ.get("no_proxy"))
+
+
+def recompute_enabled(config: AppConfig) -> bool:
+    """Whether decode engines finish requests with stop_reason='recomputed' instead of preempting."""
+    backend = BACKENDS[config.backend]
+    if not config.decode.recompute or backend.recompute_via is None:
+        return False
+    return kv_transfer_enabled(config) or not backend.recompute_needs_kv_transfer
 
 
 def recv_timeout_s(config: AppConfig) -> float:

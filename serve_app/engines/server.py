@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from serve_app.cpu_placement import keep_off_engine_cores
-from serve_app.engines.backends import BACKENDS, EngineSpec
+from serve_app.engines.backends import BACKENDS, EngineSpec, prepare_engine_environment
 from serve_app.engines.call_server import EngineCallServer
 from serve_app.engines.kv_endpoint import settle_kv_endpoint, side_channel_host
 from serve_app.engines.pacing import StreamPacer
@@ -44,6 +44,7 @@ class EngineServer:
         quiet_cancelled_requests()
         self.spec = spec
         backend = BACKENDS[spec.backend]
+        prepare_engine_environment(backend, os.environ)
         listens = spec.role == "decode" or backend.prefill_listens
         engine_kwargs, self.kv_endpoint = settle_kv_endpoint(
             spec.engine_kwargs, listens=listens, fallback=backend.kv_port_fallback, pass_host=backend.connector_reads_kv_host
