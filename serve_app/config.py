@@ -87,6 +87,11 @@ class RouterHTTPConfig(_Strict):
         ),
     )
     header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's whole header within this")
+    max_header_bytes: int = Field(
+        64 * 1024,
+        ge=4096,
+        description="largest request line and headers (431 beyond): an operator token or a long URL fits many times over",
+    )
     body_timeout_s: float = Field(30.0, gt=0, description="a request's whole body must arrive within this (408 otherwise)")
     max_connections: int = Field(
         4096, ge=1, description="connections and requests in progress per router replica; beyond it new ones get a 503 (uvicorn)"

@@ -92,46 +92,80 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-def coalescing_http_protocol(header_timeout_s: float | None = None) -> type[asyncio.Protocol]:
-    """The HTTP protocol uvicorn's ``http="auto"`` picks (httptools, else h11), on a
-    ``CoalescingTransport``; with httptools, a connection that has not sent a whole request
-    header within ``header_timeout_s`` of connecting (or of its request's first byte) is closed.
+# A request's line and headers, at most (uvicorn's h11 default is 16 KiB; nginx's largest is
+# 4 x 8 KiB): an operator token or a long URL fits many times over. httptools has no such bound:
+# without it a client holds a URL or header of any size in memory until the header deadline.
+MAX_HEADER_BYTES = 64 * 1024
 
-    uvicorn bounds only the idle time between kept-alive requests: a client that sends half a
-    header, a byte at a time, holds its connection and its place in ``limit_concurrency``
-    forever. uvicorn has no setting for it, so the protocol's own parser callbacks arm and
-    disarm a timer."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # httptools is optional; without it no header deadline
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
 
-        header_timeout_s = None
+def coalescing_http_protocol(
+    header_timeout_s: float | None = None,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    implementation: str = "auto",
+) -> type[asyncio.Protocol]:
+    """The HTTP protocol uvicorn's ``http="auto"`` picks (httptools, else h11; or the one named),
+    on a ``CoalescingTransport``, with two bounds on a request's header that uvicorn lacks:
+
+    * a connection that has not sent a whole request header within ``header_timeout_s`` of
+      connecting (or of its request's first byte) is closed. uvicorn bounds only the idle time
+      between kept-alive requests: a client that sends half a header, a byte at a time, would
+      hold its connection and its place in ``limit_concurrency`` forever;
+    * with httptools, a header larger than ``max_header_bytes`` is answered 431 and the
+      connection closed (h11 has its own bound, ``h11_max_incomplete_event_size``). Bytes are
+      counted per read from a connection's first read, or from the read after the one in which a
+      kept-alive connection's next request began: the bound is exact on a new connection and
+      at most one read (256 KiB) more on a kept-alive one, never a header of any size."""
+    base = _protocol_base(implementation)
+    h11_based = base.__name__ == "H11Protocol"
 
     class CoalescingHttpProtocol(base):  # type: ignore[valid-type, misc]
         _header_deadline: asyncio.TimerHandle | None = None
+        _in_header = False
+        _header_bytes = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
-            self._arm_header_deadline()
+            self._header_begun()
 
+        def data_received(self, data: bytes) -> None:
+            if self._in_header and not h11_based:
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header_bytes:
+                    self._refuse_header()
+                    return
+            super().data_received(data)
+            if h11_based:  # h11 has no parser callbacks: its state says where the request is
+                self._follow_h11_state()
+
+        # httptools' parser callbacks
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._arm_header_deadline()
+            self._header_begun()
 
         def on_headers_complete(self) -> None:
-            self._disarm_header_deadline()
+            self._header_done()
             super().on_headers_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_deadline()
+            self._header_done()
             super().connection_lost(exc)
 
-        def _arm_header_deadline(self) -> None:
+        def _follow_h11_state(self) -> None:
+            import h11
+
+            if self.conn.their_state is h11.IDLE:
+                self._header_begun()  # data came, no whole request header yet
+            else:
+                self._header_done()
+
+        def _header_begun(self) -> None:
+            if not self._in_header:
+                self._in_header, self._header_bytes = True, 0
             if header_timeout_s is not None and self._header_deadline is None:
                 self._header_deadline = asyncio.get_running_loop().call_later(header_timeout_s, self._header_expired)
 
-        def _disarm_header_deadline(self) -> None:
+        def _header_done(self) -> None:
+            self._in_header = False
             if self._header_deadline is not None:
                 self._header_deadline.cancel()
                 self._header_deadline = None
@@ -141,7 +175,30 @@ def coalescing_http_protocol(header_timeout_s: float | None = None) -> type[asyn
             if not self.transport.is_closing():
                 self.transport.close()
 
+        def _refuse_header(self) -> None:
+            self._header_done()
+            if not self.transport.is_closing():
+                self.transport.write(_HEADER_TOO_LARGE)
+                self.transport.close()
+
     return CoalescingHttpProtocol
+
+
+_HEADER_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+def _protocol_base(implementation: str) -> type[asyncio.Protocol]:
+    if implementation in ("auto", "httptools"):
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+            return HttpToolsProtocol
+        except ImportError:  # httptools is optional
+            if implementation == "httptools":
+                raise
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return H11Protocol
 
 
 class InReplicaServer:
@@ -155,20 +212,25 @@ class InReplicaServer:
         *,
         header_timeout_s: float = 10.0,
         max_connections: int | None = 4096,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        http: str = "auto",
     ) -> None:
         """``header_timeout_s``: a connection's request header must be complete within it;
         ``max_connections``: connections plus requests in progress, beyond which uvicorn answers
         503 at once (its ``limit_concurrency``). The defaults hold for the router's API, the
-        engines' call endpoints (one kept-alive connection per router) and the metaserver relay
-        (one per poster thread)."""
+        engines' call endpoints (a kept-alive connection per call in progress from each router:
+        an engine runs a few hundred requests at most) and the metaserver relay (one per poster
+        thread). ``max_header_bytes``: a request's line and headers (431 beyond);
+        ``http``: uvicorn's protocol ("auto": httptools if installed, else h11)."""
         self.sock = sock
         self.address = sock.getsockname()
         # log_config=None: uvicorn would otherwise run logging.config.dictConfig, which closes every
         # handler in the process, Serve's log-file handler of this replica included.
         config = uvicorn.Config(
             app,
-            http=coalescing_http_protocol(header_timeout_s),
+            http=coalescing_http_protocol(header_timeout_s, max_header_bytes, http),
             limit_concurrency=max_connections,
+            h11_max_incomplete_event_size=max_header_bytes,
             log_config=None,
             log_level="warning",
             lifespan="off",

@@ -104,4 +104,5 @@ def serve_openai(service: RouterService, host: str, port: int) -> InReplicaServe
         listening_socket(host, port, reuse_port=True),
         header_timeout_s=http.header_timeout_s,
         max_connections=http.max_connections,
+        max_header_bytes=http.max_header_bytes,
     )

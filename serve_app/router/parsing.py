@@ -30,12 +30,13 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 # they would steer an engine's KV transfer (where to post block ids, where to push KV).
 RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params"})
 
-# apply_chat_template's own arguments: passed through chat_template_kwargs they would change what
-# the router renders (tokenize=True returns ids, a chat_template replaces the server's), so only
-# template variables may come that way.
+# apply_chat_template's own arguments, and render_jinja_template's it passes its kwargs to
+# (transformers 5): passed through chat_template_kwargs they would change what the router renders
+# (tokenize=True returns ids, a chat_template replaces the server's), so only template variables
+# may come that way.
 TEMPLATE_CALL_ARGS = frozenset(
     {
-        "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+        "conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
         "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
         "return_assistant_tokens_mask", "tokenizer_kwargs",
     }
@@ -117,17 +118,19 @@ def decode_json(raw: bytes) -> Any:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def check_strings(body: Any) -> None:
+def check_strings(body: Any) -> int | None:
     """Every string must be valid Unicode (JSON's ``\\ud800`` decodes to a lone surrogate, which
     no tokenizer, log line or response encoder takes) and nesting bounded; a 400 naming where.
     For bodies that did not come through ``decode_json`` (the handle API): msgspec's encoder
     checks the whole body in C (microseconds for a long prompt's token ids); only a body it
-    refuses is walked in Python, to name the field or to find it fine after all."""
+    refuses is walked in Python, to name the field or to find it fine after all.
+
+    Returns the body's size as JSON (what it would weigh over HTTP, so the handle API can parse
+    a large one off the event loop as the HTTP API does), or None where msgspec could not say."""
     import msgspec
 
     try:
-        msgspec.json.encode(body)
-        return
+        return len(msgspec.json.encode(body))
     except (UnicodeEncodeError, RecursionError, TypeError, OverflowError, msgspec.EncodeError):
         pass
     stack: list[tuple[Any, str, int]] = [(body, "", 0)]
@@ -146,6 +149,7 @@ def check_strings(body: Any) -> None:
                 stack.append((item, f"{where}.{key}" if where else str(key), depth + 1))
         elif isinstance(value, list):
             stack.extend((item, f"{where}.{i}" if where else str(i), depth + 1) for i, item in enumerate(value))
+    return None
 
 
 def route_of(body: Any) -> Route:

@@ -39,6 +39,11 @@ logger = logging.getLogger("pd_serve.router")
 # Bodies larger than this are parsed (validated, rendered, tokenized) in a worker thread: about a
 # millisecond of tokenizing on the event loop, where every stream of the replica waits for it.
 OFFLOAD_BYTES = 64 * 1024
+# Chat requests with more messages than this are rendered in a worker thread whatever their size:
+# a template's work can grow faster than its conversation (one that looks back over the messages
+# for each message: a 64 KiB body holds a couple of thousand empty ones). Real conversations of
+# this length are long bodies anyway.
+OFFLOAD_MESSAGES = 64
 PUBLIC_ENGINE_FIELDS = frozenset(
     {"role", "healthy", "router_inflight", "router_reserved_tokens", "engine_inflight", "engine_running", "engine_waiting", "kv_usage"}
 )
@@ -240,8 +245,8 @@ class RouterService:
         route = route_of(request)
         received = time.monotonic()
         try:
-            check_strings(request)
-            parsed = await self._parse_body(route, {**request, "stream": True})
+            size = check_strings(request)
+            parsed = await self._parse_body(route, {**request, "stream": True}, size)
         except OpenAIError as exc:
             self._count(route, exc.status)
             yield exc.body()
@@ -260,8 +265,8 @@ class RouterService:
         received = time.monotonic()
         body = {k: v for k, v in request.items() if k != "stream_options"}
         try:
-            check_strings(body)
-            parsed = await self._parse_body(route, {**body, "stream": False})
+            size = check_strings(body)
+            parsed = await self._parse_body(route, {**body, "stream": False}, size)
         except OpenAIError as exc:
             self._count(route, exc.status)
             return exc.body()
@@ -290,16 +295,31 @@ class RouterService:
     # ------------------------------------------------------------------ internals
     async def _parse(self, route: Route, raw: bytes) -> ParsedRequest:
         """Parse on the event loop when it is cheap; a large body (tokenizing a long prompt, a
-        chat template over long messages) or a client's own template in a worker thread, so one
-        request never stalls every stream of this replica."""
-        if len(raw) > OFFLOAD_BYTES or (route == "chat" and self.ctx.trust_request_chat_template):
+        chat template over long messages), a long conversation or a client's own template in a
+        worker thread, so one request never stalls every stream of this replica."""
+        if len(raw) > OFFLOAD_BYTES:
             return await asyncio.to_thread(lambda: parse_request(route, decode_json(raw), self.ctx))
-        return parse_request(route, decode_json(raw), self.ctx)
-
-    async def _parse_body(self, route: Route, body: dict[str, Any]) -> ParsedRequest:
-        if route == "chat" and self.ctx.trust_request_chat_template:
+        body = decode_json(raw)  # at most OFFLOAD_BYTES: C-speed, microseconds
+        if self._heavy(route, body):
             return await asyncio.to_thread(parse_request, route, body, self.ctx)
         return parse_request(route, body, self.ctx)
+
+    async def _parse_body(self, route: Route, body: dict[str, Any], size: int | None) -> ParsedRequest:
+        """The handle API's twin of ``_parse``: ``size`` is the body's size as JSON (None: unknown,
+        so treated as large); the same thresholds, so a handle caller's long prompt never stalls
+        the replica's streams either."""
+        if size is None or size > OFFLOAD_BYTES or self._heavy(route, body):
+            return await asyncio.to_thread(parse_request, route, body, self.ctx)
+        return parse_request(route, body, self.ctx)
+
+    def _heavy(self, route: Route, body: Any) -> bool:
+        """Whether a small body's chat template could still cost more than a loop turn should."""
+        if route != "chat":
+            return False
+        if self.ctx.trust_request_chat_template:
+            return True
+        messages = body.get("messages") if isinstance(body, dict) else None
+        return isinstance(messages, list) and len(messages) > OFFLOAD_MESSAGES
 
     def _session(self, parsed: ParsedRequest, received_at: float | None = None) -> ResponseSession:
         return ResponseSession(

@@ -28,6 +28,9 @@ def test_serve_yaml_is_valid_and_explicit_about_cpus():
         ({"router": {"timeouts": {"kv_ready_s": 0}}}, "router.timeouts.kv_ready_s"),
         ({"max_model_len": "long"}, "max_model_len"),
         ({"surprise": 1}, "surprise"),
+        ({"router": {"http": {"max_body_bytes": 10}}}, "router.http.max_body_bytes"),
+        ({"router": {"http": {"max_header_bytes": 10}}}, "router.http.max_header_bytes"),
+        ({"router": {"operator_token": "short"}}, "router.operator_token"),
     ],
 )
 def test_bad_config_names_the_field(args, field):

@@ -67,6 +67,12 @@ HOSTILE = {
     "allowed_token_ids": ({"allowed_token_ids": [BIG]}, "allowed_token_ids"),
     "logit_bias key": ({"logit_bias": {str(BIG): 1.0}}, "logit_bias"),
     "negative top_k": ({"top_k": -BIG}, None),  # vLLM's own check refuses it first
+    "seed": ({"seed": BIG}, "seed"),
+    "negative seed": ({"seed": -BIG}, "seed"),
+    "max_tokens": ({"max_tokens": BIG}, "max_tokens"),
+    "min_tokens": ({"min_tokens": BIG}, None),
+    "vllm_xargs value": ({"vllm_xargs": {"my_arg": BIG}}, None),
+    "negative stop_token_ids": ({"stop_token_ids": [-BIG]}, "stop_token_ids"),
     "surrogate prompt": ({"prompt": "hi \ud800 there"}, "prompt"),
     "surrogate model": ({"model": "\ud800"}, "model"),
     "surrogate stop": ({"stop": ["\ud800"]}, "stop.0"),
@@ -124,7 +130,7 @@ def test_a_client_chat_template_is_refused_unless_the_operator_trusts_clients(en
         error = assert_openai_error(await client.post("/v1/chat/completions", json=smuggled), 400, "chat_template_kwargs")
         assert "trust_request_chat_template" in error["message"]
         assert_openai_error(await client.post("/v1/chat/completions", json=direct), 400, "chat_template")
-        for key in ("tokenize", "return_dict", "tokenizer_kwargs"):
+        for key in ("tokenize", "return_dict", "tokenizer_kwargs", "conversations", "documents"):
             bad = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {key: True}}
             assert_openai_error(await client.post("/v1/chat/completions", json=bad), 400, f"chat_template_kwargs.{key}")
         # Template variables still pass.
@@ -166,8 +172,34 @@ def test_large_bodies_are_parsed_off_the_event_loop(engines_without_ray, tiny_to
             padding = " " * (service_module.OFFLOAD_BYTES + 1)  # JSON whitespace: the same request, a large body
             raw = json.dumps({"prompt": PROMPT, "max_tokens": 2}).replace(",", "," + padding, 1)
             assert (await client.post("/v1/completions", content=raw)).status_code == 200
+            many = [{"role": "user", "content": ""}] * (service_module.OFFLOAD_MESSAGES + 1)  # a small body all the same
+            assert (await client.post("/v1/chat/completions", json={"messages": many, "max_tokens": 2})).status_code == 200
         main = threading.main_thread().name
-        assert threads[0] == main and threads[1] != main
+        assert threads[0] == main and threads[1] != main and threads[2] != main
+
+    run(body, tiny_tokenizer)
+
+
+def test_large_handle_api_requests_are_parsed_off_the_event_loop(engines_without_ray, tiny_tokenizer):
+    """The handle API has no body size to go by: the size its body would have as JSON decides,
+    with the same threshold as the HTTP API's."""
+    import serve_app.router.service as service_module
+
+    threads: list[str] = []
+    real = service_module.parse_request
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        large = {"prompt": PROMPT, "max_tokens": 2, "user": "u" * (service_module.OFFLOAD_BYTES + 1)}
+        with mock.patch.object(service_module, "parse_request", recording):
+            assert "error" not in await app.service.complete({"prompt": PROMPT, "max_tokens": 2})
+            assert "error" not in await app.service.complete(large)
+            assert [e async for e in app.service.generate(large)][-1]["choices"][0]["finish_reason"] == "length"
+        main = threading.main_thread().name
+        assert threads[0] == main and threads[1] != main and threads[2] != main
 
     run(body, tiny_tokenizer)
 
@@ -270,6 +302,58 @@ def test_a_half_sent_header_is_closed_at_the_deadline_and_whole_requests_are_ser
                     await asyncio.sleep(0.4)
             for sock in (idle, half):
                 sock.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_header_without_end_is_refused_at_the_size_bound_not_held_whole():
+    """httptools keeps a URL or header value of any size until the header ends; the protocol
+    counts a header's bytes and answers 431 past the bound, then closes."""
+
+    async def main() -> None:
+        server = _server(max_header_bytes=8192)
+        port = server.address[1]
+
+        def send_huge_url() -> bytes:
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.settimeout(10)
+                try:
+                    sock.sendall(b"GET /" + b"a" * (4 << 20))  # the request line never ends
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                return sock.recv(1024)
+
+        try:
+            assert (await asyncio.to_thread(send_huge_url)).startswith(b"HTTP/1.1 431")
+            assert all(len(p.url) <= 8192 + (1 << 20) for p in server._server.server_state.connections)
+            fresh = httpx.Limits(max_keepalive_connections=0)  # a header counts from its connection's or request's first read
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=fresh) as client:
+                assert (await client.get("/", headers={"x-pad": "p" * 4000})).json() == {"ok": True}
+                assert (await client.get("/", headers={"x-pad": "p" * 9000})).status_code == 431
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_the_header_deadline_holds_on_h11_too():
+    """Where httptools is not installed uvicorn runs h11, which has no parser callbacks: the
+    deadline follows h11's own state instead."""
+
+    async def main() -> None:
+        server = _server(header_timeout_s=0.3, http="h11")
+        port = server.address[1]
+        try:
+            half = socket.create_connection(("127.0.0.1", port))
+            half.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            assert await asyncio.to_thread(_closed_by_server, half, 10)
+            half.close()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                for _ in range(2):  # a whole request, kept alive past the deadline, still served
+                    assert (await client.get("/")).json() == {"ok": True}
+                    await asyncio.sleep(0.4)
         finally:
             await server.stop()
 
