@@ -7,11 +7,12 @@ engines; the server-level limits (header deadline, connection limit) on a real s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 from unittest import mock
 
@@ -156,7 +157,9 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(engines_with
     run(body, tiny_tokenizer)
 
 
-def test_large_bodies_are_parsed_off_the_event_loop(engines_without_ray, tiny_tokenizer):
+@contextlib.contextmanager
+def parse_threads() -> Iterator[list[str]]:
+    """The name of the thread each request is parsed in, in order."""
     import serve_app.router.service as service_module
 
     threads: list[str] = []
@@ -166,8 +169,15 @@ def test_large_bodies_are_parsed_off_the_event_loop(engines_without_ray, tiny_to
         threads.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
+    with mock.patch.object(service_module, "parse_request", recording):
+        yield threads
+
+
+def test_large_bodies_are_parsed_off_the_event_loop(engines_without_ray, tiny_tokenizer):
+    import serve_app.router.service as service_module
+
     async def body(app: App, client: httpx.AsyncClient) -> None:
-        with mock.patch.object(service_module, "parse_request", recording):
+        with parse_threads() as threads:
             assert (await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).status_code == 200
             padding = " " * (service_module.OFFLOAD_BYTES + 1)  # JSON whitespace: the same request, a large body
             raw = json.dumps({"prompt": PROMPT, "max_tokens": 2}).replace(",", "," + padding, 1)
@@ -185,16 +195,9 @@ def test_large_handle_api_requests_are_parsed_off_the_event_loop(engines_without
     with the same threshold as the HTTP API's."""
     import serve_app.router.service as service_module
 
-    threads: list[str] = []
-    real = service_module.parse_request
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-
     async def body(app: App, client: httpx.AsyncClient) -> None:
         large = {"prompt": PROMPT, "max_tokens": 2, "user": "u" * (service_module.OFFLOAD_BYTES + 1)}
-        with mock.patch.object(service_module, "parse_request", recording):
+        with parse_threads() as threads:
             assert "error" not in await app.service.complete({"prompt": PROMPT, "max_tokens": 2})
             assert "error" not in await app.service.complete(large)
             assert [e async for e in app.service.generate(large)][-1]["choices"][0]["finish_reason"] == "length"
