@@ -66,20 +66,18 @@ def harness(engines_without_ray, tiny_tokenizer) -> Iterator[Harness]:
         h.close()
 
 
-def test_fuzzed_completions(harness):
+ROUTES = {
+    "/v1/completions": bodies("prompt", prompts, COMPLETIONS_ONLY),
+    "/v1/chat/completions": bodies("messages", messages, CHAT_ONLY),
+}
+
+
+@pytest.mark.parametrize("path", sorted(ROUTES))
+def test_fuzzed_requests(harness, path):
     @fuzz
-    @given(body=bodies("prompt", prompts, COMPLETIONS_ONLY))
+    @given(body=ROUTES[path])
     def fuzzed(body: Any) -> None:
-        harness.post("/v1/completions", json.dumps(body, allow_nan=True).encode())
-
-    fuzzed()
-
-
-def test_fuzzed_chat_completions(harness):
-    @fuzz
-    @given(body=bodies("messages", messages, CHAT_ONLY))
-    def fuzzed(body: Any) -> None:
-        harness.post("/v1/chat/completions", json.dumps(body, allow_nan=True).encode())
+        harness.post(path, json.dumps(body, allow_nan=True).encode())
 
     fuzzed()
 
