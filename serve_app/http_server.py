@@ -128,14 +128,16 @@ def coalescing_http_protocol(
             self._header_begun()
 
         def data_received(self, data: bytes) -> None:
-            if self._in_header and not h11_based:
-                self._header_bytes += len(data)
-                if self._header_bytes > max_header_bytes:
-                    self._refuse_header()
-                    return
+            counting = self._in_header and not h11_based
             super().data_received(data)
             if h11_based:  # h11 has no parser callbacks: its state says where the request is
                 self._follow_h11_state()
+            elif counting and self._in_header:
+                # Only reads after which the header is still incomplete count: a read that ends
+                # the header also carries the start of the body, which is not the header's.
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header_bytes:
+                    self._refuse_header()
 
         # httptools' parser callbacks
         def on_message_begin(self) -> None:
