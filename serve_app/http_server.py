@@ -122,22 +122,27 @@ def coalescing_http_protocol(
         _header_deadline: asyncio.TimerHandle | None = None
         _in_header = False
         _header_bytes = 0
+        _header_tail = b""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
             self._header_begun()
 
         def data_received(self, data: bytes) -> None:
-            counting = self._in_header and not h11_based
+            if self._in_header and not h11_based:
+                # Count the header's own bytes only: a read that ends the header also carries the
+                # start of the body. The end is the first blank line (its CRLFs may straddle reads).
+                seen = self._header_tail + data
+                end = seen.find(b"\r\n\r\n")
+                part = len(data) if end < 0 else max(0, end + 4 - len(self._header_tail))
+                if self._header_bytes + part > max_header_bytes:
+                    self._refuse_header()
+                    return
+                self._header_bytes += part
+                self._header_tail = seen[-3:]
             super().data_received(data)
             if h11_based:  # h11 has no parser callbacks: its state says where the request is
                 self._follow_h11_state()
-            elif counting and self._in_header:
-                # Only reads after which the header is still incomplete count: a read that ends
-                # the header also carries the start of the body, which is not the header's.
-                self._header_bytes += len(data)
-                if self._header_bytes > max_header_bytes:
-                    self._refuse_header()
 
         # httptools' parser callbacks
         def on_message_begin(self) -> None:
@@ -162,7 +167,7 @@ def coalescing_http_protocol(
 
         def _header_begun(self) -> None:
             if not self._in_header:
-                self._in_header, self._header_bytes = True, 0
+                self._in_header, self._header_bytes, self._header_tail = True, 0, b""
             if header_timeout_s is not None and self._header_deadline is None:
                 self._header_deadline = asyncio.get_running_loop().call_later(header_timeout_s, self._header_expired)
 
