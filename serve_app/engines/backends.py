@@ -11,6 +11,7 @@ checks them against vllm-ascend 0.23.0.post1's own source (its sdist, read as an
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,8 @@ from serve_app.engines.spin import CORE_ENV as CORE_SPIN_ENV
 from serve_app.engines.spin import ENV as SPIN_ENV
 from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
 from serve_app.protocol import Role
+
+logger = logging.getLogger("pd_serve.engine")
 
 MiB = 1 << 20
 # How long a CPU engine's processes spin for their next step before sleeping (engines/spin.py).
@@ -193,6 +196,9 @@ class EngineSpec:
     # Whether the replica takes the router's calls over its own HTTP endpoint too
     # (router.engine_transport: http, engines/call_server.py).
     call_server: bool = False
+    # What the engine runs without although the config asks for it, and why: logged as a warning
+    # when its replica starts (engine_notes()).
+    notes: tuple[str, ...] = ()
 
     @property
     def push_records(self) -> bool:
@@ -232,6 +238,7 @@ def engine_specs(config: AppConfig) -> list[EngineSpec]:
                     stream_items_per_s=config.stream_items_per_s,
                     call_server=config.router.engine_transport == "http",
                     resources=_resources(config, backend, role, group),  # type: ignore[arg-type]
+                    notes=engine_notes(config, role),  # type: ignore[arg-type]
                 )
             )
     cores = tuple(sorted(replicas_keep_off(config, specs)))
@@ -315,15 +322,35 @@ def environment_problems(backend: Backend, env: Mapping[str, str]) -> list[str]:
     return [f"{name} is set: {why}; unset it" for name, why in backend.refused_env.items() if env.get(name, "") not in ("", "0")]
 
 
-def prepare_engine_environment(backend: Backend, environ: MutableMapping[str, str]) -> None:
+def prepare_engine_environment(backend: Backend, environ: MutableMapping[str, str], notes: tuple[str, ...] = ()) -> None:
     """At an engine replica's start, before the engine's processes are spawned (they inherit the
-    environment): refuse what breaks the backend, keep loopback out of any proxy."""
+    environment): refuse what breaks the backend, keep loopback out of any proxy, and say what the
+    engine runs without (``EngineSpec.notes``), where its operator reads the replica's log."""
     problems = environment_problems(backend, environ)
     if problems:
         raise RuntimeError(f"the {backend.name} backend cannot start an engine: " + "; ".join(problems))
+    for note in notes:
+        logger.warning(note)
     if backend.loopback_no_proxy:
         for name in ("NO_PROXY", "no_proxy"):
             environ[name] = no_proxy_with_loopback(environ.get("NO_PROXY") or environ.get("no_proxy"))
+
+
+def engine_notes(config: AppConfig, role: Role) -> tuple[str, ...]:
+    """What an engine of ``role`` runs without although ``config`` asks for it. Today one case: a
+    colocated app (no prefill engines) on a backend whose recompute needs a KV transfer config
+    (Ascend: vllm-ascend's platform.py raises ValueError for recompute_scheduler_enable on an
+    engine without one). It is not an error: the app serves, its decode engines preempt locally as
+    plain vLLM does, and requests are never recomputed."""
+    backend = BACKENDS[config.backend]
+    if role != "decode" or not config.decode.recompute or backend.recompute_via is None or recompute_enabled(config):
+        return ()
+    return (
+        f"decode.recompute is on but off for this engine: the {backend.name} backend's recompute scheduler "
+        "(additional_config.recompute_scheduler_enable) needs a kv_transfer_config, which engines get only when "
+        "the app has prefill engines (prefill.replicas: 0 here); the engine preempts locally instead. "
+        "Set decode.recompute: false to silence this",
+    )
 
 
 def recompute_enabled(config: AppConfig) -> bool:

@@ -44,7 +44,7 @@ class EngineServer:
         quiet_cancelled_requests()
         self.spec = spec
         backend = BACKENDS[spec.backend]
-        prepare_engine_environment(backend, os.environ)
+        prepare_engine_environment(backend, os.environ, spec.notes)
         listens = spec.role == "decode" or backend.prefill_listens
         engine_kwargs, self.kv_endpoint = settle_kv_endpoint(
             spec.engine_kwargs, listens=listens, fallback=backend.kv_port_fallback, pass_host=backend.connector_reads_kv_host

@@ -5,12 +5,13 @@ This cannot run vllm-ascend; it checks that what pd-serve hands it is what its c
 connector name it registers, the recompute switch its config parser reads and the scheduler that
 switch puts in place, the kv_connector_extra_config keys it reads, the kv_transfer_params keys its
 decode side posts and its prefill side reads (which the relay and the router pass along), how it
-matches request ids, and the pins of pd-serve's ``ascend`` extra.
+matches request ids, and the versions pd-serve's Ascend install pins (scripts/ascend-constraints.txt).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import re
 import tarfile
 import zipfile
@@ -18,10 +19,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-import tomllib
+import yaml
 
 from serve_app.config import load_config
-from serve_app.engines.backends import ASCEND, engine_specs
+from serve_app.engines.backends import ASCEND, engine_specs, environment_problems
 from serve_app.router.cdcp import PREFILL_KV_KEYS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -180,25 +181,87 @@ def test_request_ids_match_across_prefill_and_decode():
     assert re.search(r'f"\{request\.external_req_id\}-\{random_uuid\(\):\.8\}"', processor)
 
 
-def test_the_ascend_extra_pins_the_stack_vllm_ascend_declares():
-    extra = {
-        re.split(r"[=<>!~]", r, maxsplit=1)[0].strip().lower(): r
-        for r in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ascend"]
-    }
+def test_the_ascend_install_pins_the_stack_vllm_ascend_declares():
+    """scripts/ascend-constraints.txt and scripts/install_ascend.sh (what an Ascend node installs;
+    tests/unit/test_ascend_install.py checks the set resolves) against vllm-ascend's own files:
+    every exact pin of its requirements.txt, and its versioning policy's row for vLLM, CANN,
+    triton-ascend and Mooncake."""
+    constraints = {}
+    for line in (REPO_ROOT / "scripts" / "ascend-constraints.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)==([^;\s]+)(?:;\s*(.+))?$", line.strip())
+        if m:
+            constraints.setdefault(canonical(m.group(1)), []).append((m.group(2), m.group(3)))
     requirements = {}
     for line in text("requirements.txt").splitlines():
         m = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)$", line.strip())
         if m:
-            requirements[m.group(1).lower()] = m.group(2)
-    assert extra["vllm-ascend"] == "vllm-ascend==0.23.0.post1"
-    for package in ("torch", "torch-npu"):
-        assert extra[package] == f"{package}=={requirements[package]}"
-    # vLLM and Mooncake are not in requirements.txt: the versioning policy's row names them.
+            requirements[canonical(m.group(1))] = m.group(2)
+    assert {"torch", "torch-npu", "triton-ascend", "transformers"} <= set(requirements)
+    for package, version in requirements.items():
+        # torch is pinned per machine: on x86_64 the CPU build of the same version (torch-npu's ask).
+        pinned = {v.split("+")[0] for v, _ in constraints.get(package, [])}
+        assert pinned == {version}, f"{package}: vllm-ascend pins {version}, pd-serve's install {pinned or 'nothing'}"
+    assert constraints["vllm-ascend"] == [("0.23.0.post1", None)]
     row = re.search(r"^\|\s*v0\.23\.0\.post1\s*\|(.*)$", text("docs/source/community/versioning_policy.md"), re.M)
     assert row, "no v0.23.0.post1 row in vllm-ascend's versioning policy"
-    cells = [c.strip() for c in row.group(1).split("|")]
-    assert extra["vllm"] == f"vllm=={cells[0].removeprefix('v')}"
-    assert extra["mooncake-transfer-engine-npu"] == f"mooncake-transfer-engine-npu=={cells[-2].removeprefix('v')}"
+    vllm, _python, cann, _torch, triton, mooncake = [c.strip() for c in row.group(1).split("|")][:6]
+    script = (REPO_ROOT / "scripts" / "install_ascend.sh").read_text()
+    assert re.search(rf"^VLLM_TAG={re.escape(vllm)}$", script, re.M)
+    assert re.search(rf"^CANN_VERSION={re.escape(cann)}$", script, re.M)
+    assert constraints["triton-ascend"] == [(triton, None)]
+    assert constraints["mooncake-transfer-engine-npu"] == [(mooncake.removeprefix("v"), None)]
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def ascend_cases() -> list[tuple[str, dict]]:
+    """The app above, every shipped Ascend config, and each one's colocated variant (no prefill
+    engines: then no engine gets a kv_transfer_config)."""
+    cases: list[tuple[str, dict]] = [("the app above", ASCEND_ARGS)]
+    for path in sorted((REPO_ROOT / "configs").glob("*.yaml")):
+        for app in yaml.safe_load(path.read_text())["applications"]:
+            if app["args"].get("backend") == "ascend":
+                cases.append((path.name, app["args"]))
+                colocated = copy.deepcopy(app["args"])
+                colocated["prefill"] = {**colocated.get("prefill", {}), "replicas": 0}
+                colocated["router"] = {**colocated.get("router", {}), "mode": "colocated"}
+                cases.append((f"{path.name}, colocated", colocated))
+    return cases
+
+
+CASES = ascend_cases()
+
+
+@pytest.mark.parametrize("name,args", CASES, ids=[name for name, _ in CASES])
+def test_every_ascend_engine_gets_only_what_vllm_ascend_reads_and_accepts(name, args):
+    """The checks above, for every engine of every case: the connector is one vllm-ascend
+    registers, every kv_connector_extra_config and additional_config key is one it reads, the
+    recompute switch only where its platform.py accepts it (a kv_consumer: anything else but a
+    producer raises ValueError at start), and an environment its guards let start."""
+    registered = {tuple(string_args(c))[0] for c in calls(tree("vllm_ascend/distributed/kv_transfer/__init__.py"), "register_connector")}
+    extra_read = extra_config_keys_read()
+    additional_read = set(re.findall(r'additional_config\.get\(\s*"(\w+)"', text("vllm_ascend/ascend_config.py")))
+    assert "recompute_scheduler_enable" in additional_read
+    platform = text("vllm_ascend/platform.py")
+    assert 'elif kv_transfer_config is None or kv_role != "kv_consumer":\n                raise ValueError(' in platform
+    specs = engine_specs(load_config(args))
+    assert any(s.role == "decode" for s in specs)
+    for spec in specs:
+        kwargs = spec.engine_kwargs
+        ktc = kwargs.get("kv_transfer_config")
+        if ktc is not None:
+            assert ktc["kv_connector"] in registered and "kv_connector_module_path" not in ktc
+            assert ktc["kv_role"] == ("kv_producer" if spec.role == "prefill" else "kv_consumer")
+            assert set(ktc["kv_connector_extra_config"]) <= extra_read, spec.name
+        additional = kwargs.get("additional_config", {})
+        assert set(additional) <= additional_read, (spec.name, set(additional) - additional_read)
+        if additional.get("recompute_scheduler_enable"):
+            assert ktc is not None and ktc["kv_role"] == "kv_consumer", f"{name}: vllm-ascend would raise ValueError for {spec.name}"
+        assert environment_problems(ASCEND, spec.env) == []
+    colocated = not any(s.role == "prefill" for s in specs)
+    assert all(("kv_transfer_config" in s.engine_kwargs) != colocated for s in specs)
 
 
 def test_ascend_replicas_ask_ray_for_npus_and_carry_no_cpu_settings(specs):

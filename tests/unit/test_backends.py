@@ -4,8 +4,11 @@ source, are what stands for them."""
 
 from __future__ import annotations
 
+import logging
+
 from serve_app.config import load_config
-from serve_app.engines.backends import RECV_DEADLINE_MARGIN_S, engine_specs
+from serve_app.engines.backends import ASCEND as ASCEND_BACKEND
+from serve_app.engines.backends import RECV_DEADLINE_MARGIN_S, engine_specs, prepare_engine_environment
 from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
 
 
@@ -44,6 +47,30 @@ def test_ascend_decode_is_a_consumer_with_the_recompute_scheduler():
 def test_ascend_decode_without_recompute():
     args = {**ASCEND, "decode": {**ASCEND["decode"], "recompute": False}}
     assert "additional_config" not in specs_by_name(args)["decode-0"].engine_kwargs
+
+
+COLOCATED_ASCEND = {**ASCEND, "prefill": {"replicas": 0}, "router": {"mode": "colocated"}}
+
+
+def test_colocated_ascend_decode_runs_without_recompute_and_says_why(caplog):
+    """vllm-ascend accepts recompute_scheduler_enable only on an engine with a KV transfer config;
+    a colocated app has none, so its decode engines run without it, and their replicas say so."""
+    specs = specs_by_name(COLOCATED_ASCEND)
+    assert list(specs) == ["decode-0"]
+    decode = specs["decode-0"]
+    assert "kv_transfer_config" not in decode.engine_kwargs and "additional_config" not in decode.engine_kwargs
+    (note,) = decode.notes
+    assert "recompute_scheduler_enable" in note and "prefill.replicas: 0" in note and "decode.recompute: false" in note
+    with caplog.at_level(logging.WARNING, logger="pd_serve.engine"):
+        prepare_engine_environment(ASCEND_BACKEND, {}, decode.notes)
+    assert [r.getMessage() for r in caplog.records] == [note]
+    # Nothing to say where recompute is on, or where the config did not ask for it.
+    assert all(not s.notes for s in specs_by_name(ASCEND).values())
+    off = {**COLOCATED_ASCEND, "decode": {**ASCEND["decode"], "recompute": False}}
+    assert not specs_by_name(off)["decode-0"].notes
+    # The CPU backend's own scheduler needs no KV transfer config: it recomputes colocated too.
+    cpu = specs_by_name({"prefill": {"replicas": 0}, "router": {"mode": "colocated"}})["decode-0"]
+    assert cpu.engine_kwargs["scheduler_cls"].endswith("RecomputeScheduler") and not cpu.notes
 
 
 def test_every_engine_gets_its_own_kv_port_block():
