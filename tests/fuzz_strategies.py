@@ -33,9 +33,20 @@ scalars = st.one_of(
     st.text(max_size=12),
     surrogate_text,
 )
+# Keys too may be lone surrogates (a logit_bias, vllm_xargs or chat_template_kwargs key).
 junk = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=6
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.one_of(st.text(max_size=6), surrogate_text), inner, max_size=4),
+    max_leaves=6,
 )
+
+
+def keyed(keys: list[str], values: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    """A dict of one or two of these keys, each with a drawn value (``fixed_dictionaries`` takes
+    fixed keys: a strategy given as a key ends up as the key itself, which no JSON encoder takes)."""
+    return st.dictionaries(st.sampled_from(keys), values, min_size=1, max_size=2)
+
+
 token_ids = st.lists(st.one_of(st.integers(min_value=-3, max_value=1100), huge_ints), max_size=16)
 small_float = st.floats(min_value=-2, max_value=3, allow_nan=False)
 penalty = st.floats(min_value=-3, max_value=3, allow_nan=False)
@@ -68,7 +79,47 @@ PLAUSIBLE: dict[str, Any] = {
     "include_stop_str_in_output": st.booleans(),
     "spaces_between_special_tokens": st.booleans(),
     "user": st.text(max_size=8),
-    "vllm_xargs": st.dictionaries(st.sampled_from(["a", "b"]), st.one_of(st.integers(), st.text(max_size=4)), max_size=2),
+    "vllm_xargs": st.one_of(
+        st.dictionaries(st.sampled_from(["a", "b"]), st.one_of(st.integers(), st.text(max_size=4)), max_size=2),
+        st.dictionaries(st.text(max_size=6), st.one_of(huge_ints, surrogate_text, junk), max_size=2),
+    ),
+    # vLLM's nested parameters: small, valid shapes (so the engines run them) and each of their
+    # keys with junk.
+    "structured_outputs": st.one_of(
+        st.sampled_from(
+            [
+                {"choice": ["yes", "no"]},
+                {"regex": "[ab]{1,3}"},
+                {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+                {"json_object": True},
+                {"grammar": 'root ::= "a" | "b"'},
+            ]
+        ),
+        keyed(["json", "regex", "choice", "grammar", "json_object", "structural_tag", "whitespace_pattern", "_backend"], junk),
+    ),
+    "response_format": st.one_of(
+        st.sampled_from(
+            [
+                {"type": "text"},
+                {"type": "json_object"},
+                {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
+                {"type": "structural_tag", "format": {"type": "any_text"}},
+            ]
+        ),
+        st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "structural_tag", "x"]), "json_schema": junk}),
+    ),
+    "priority": st.one_of(st.integers(min_value=-3, max_value=3), huge_ints),
+    "cache_salt": st.one_of(st.text(max_size=8), surrogate_text),
+    "request_id": st.one_of(st.text(max_size=8), surrogate_text, st.just("cmpl-x\nWARNING forged")),
+    "add_special_tokens": st.booleans(),
+    "truncation_side": st.sampled_from(["left", "right", "middle"]),
+    "logprob_token_ids": token_ids,
+    "return_tokens_as_token_ids": st.booleans(),
+    "thinking_token_budget": st.one_of(st.integers(min_value=-2, max_value=8), huge_ints),
+    "use_beam_search": st.booleans(),
+    "length_penalty": penalty,
+    "stream_interval": st.integers(min_value=-1, max_value=4),
+    "repetition_detection": st.dictionaries(st.text(max_size=8), junk, min_size=1, max_size=2),
 }
 COMPLETIONS_ONLY: dict[str, Any] = {
     "logprobs": st.integers(min_value=-2, max_value=30),
@@ -88,12 +139,18 @@ CHAT_ONLY: dict[str, Any] = {
         st.dictionaries(st.text(max_size=5), scalars, max_size=2),
         # A client's own template, and apply_chat_template's own arguments: always refused here.
         st.fixed_dictionaries({"chat_template": st.sampled_from(["{{ 'x' * 100000000 }}", "{% for i in range(10**9) %}{% endfor %}"])}),
-        st.fixed_dictionaries({st.sampled_from(["tokenize", "return_dict", "tokenizer_kwargs"]): junk}),
+        keyed(["tokenize", "return_dict", "tokenizer_kwargs"], junk),
         st.fixed_dictionaries({"nested": junk}),
     ),
     "chat_template": st.sampled_from(["{{ messages }}", "{% for i in range(10**9) %}{% endfor %}"]),
     "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
-    "response_format": st.just({"type": "json_object"}),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+    "parallel_tool_calls": st.booleans(),
+    "reasoning_effort": st.sampled_from(["low", "medium", "high", "x"]),
+    "include_reasoning": st.booleans(),
+    "documents": st.lists(st.dictionaries(st.sampled_from(["title", "text"]), st.text(max_size=8), max_size=2), max_size=2),
+    "mm_processor_kwargs": st.dictionaries(st.text(max_size=6), junk, max_size=2),
+    "media_io_kwargs": st.dictionaries(st.text(max_size=6), junk, max_size=2),
 }
 # Fields a client may not set at all: always refused.
 REFUSED: dict[str, Any] = {
@@ -171,10 +228,16 @@ raw_bodies = st.one_of(
             b'{"prompt": "\\ud800", "max_tokens": 2}',
             b"\xff\xfe\x00",
             b"null",
-            b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": ' + b"{\"a\": " * 2000 + b"1" + b"}" * 2000 + b"}",
+            b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": ' + b'{"a": ' * 2000 + b"1" + b"}" * 2000 + b"}",
         ]
     ),
 )
+
+
+# What the router may answer a request it will not serve: a bad request (400), an unknown model
+# (404), a body over its limit (413). Anything else (a 5xx above all, but also a 422 or a 408
+# for a body that was sent whole) means a request reached code that did not expect it.
+CLIENT_ERRORS = frozenset({400, 404, 413})
 
 
 def oversized(limit: int) -> bytes:

@@ -81,6 +81,12 @@ class EngineCallServer:
         except WireError as exc:
             await _plain(send, 400, str(exc))
             return
+        except RecursionError:
+            # msgspec's answer to a body nested past its depth (the sampling parameters and KV
+            # parameters are open maps): a bad body like any other, not an error of this server
+            # (uvicorn would log its traceback, one per such call).
+            await _plain(send, 400, "not an engine request: nested too deep")
+            return
         if scope["path"] == GENERATE_PATH and hasattr(self._replica, "generate"):
             await _while_connected(lambda gone: self._stream(request, send, gone), receive)
         elif scope["path"] == RUN_PATH and hasattr(self._replica, "run"):
@@ -169,5 +175,11 @@ async def _start(send: Any) -> None:
 
 
 async def _plain(send: Any, status: int, message: str) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+    """A refusal. One of a caller that is not the router (no token, a path no router calls) or
+    whose body is left unread also closes the connection: a stranger cannot keep connections
+    alive to fill the server's ``limit_concurrency``."""
+    headers = [(b"content-type", b"text/plain")]
+    if status in (401, 404, 413):
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": message.encode(), "more_body": False})

@@ -258,12 +258,15 @@ class MockEngine:
             seq.wake.set()  # the stream reports how it ended
 
     async def _side_channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One JSON line per push, from whoever connects to the KV port. A line over the reader's
+        limit (64 KiB; ValueError) closes the connection; nothing here is logged: a stranger's
+        bytes are refused, not reported one traceback each."""
         try:
             while line := await reader.readline():
                 ok = self._push_done(line)
                 writer.write(b"ok\n" if ok else b"no\n")
                 await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             pass
         finally:
             writer.close()
@@ -272,7 +275,7 @@ class MockEngine:
         try:
             message = json.loads(line)
             transfer_id, secret = str(message["transfer"]), str(message["secret"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested past Python's limit
             return False
         for seq in self._by_id.values():
             if seq.transfer is not None and seq.transfer[0] == transfer_id:

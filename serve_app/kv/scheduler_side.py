@@ -12,6 +12,7 @@ plan; each step's metadata then says which of its blocks the worker pushes durin
 
 from __future__ import annotations
 
+import errno
 import http.client
 import json
 import logging
@@ -55,7 +56,7 @@ def post_metaserver(url: str, body: dict[str, Any]) -> None:
             return
         except Exception as exc:
             if attempt == METASERVER_RETRIES:
-                logger.warning("metaserver unreachable for %s: %r", body.get("request_id"), exc)
+                logger.warning("metaserver unreachable for %s: %s", body.get("request_id"), _error_kind(exc))
             else:
                 time.sleep(0.05 * attempt)
 
@@ -78,7 +79,8 @@ class KeptAliveConnections:
     def post(self, url: str, data: bytes) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"the metaserver URL must be http://host:port/path, not {url!r}")
+            # Not the URL itself: its path holds the request's one-time relay token.
+            raise ValueError(f"the metaserver URL must be http://host:port/path (scheme {parts.scheme!r})")
         key = (parts.hostname, parts.port or 80)
         path = parts.path + (f"?{parts.query}" if parts.query else "")
         cached: dict[tuple[str, int], tuple[http.client.HTTPConnection, float]] | None = getattr(self._local, "conns", None)
@@ -108,6 +110,13 @@ class KeptAliveConnections:
         cached[key] = (conn, time.monotonic())
         if status >= 400:
             raise RuntimeError(f"the metaserver answered HTTP {status}")
+
+
+def _error_kind(exc: BaseException) -> str:
+    """An error of a POST by class and errno only: the text of http.client's and the OS's errors
+    can name the relay's address, and the relay's URL holds a one-time token."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    return f"{type(exc).__name__}, {errno.errorcode[code]}" if isinstance(code, int) and code in errno.errorcode else type(exc).__name__
 
 
 def _post_on(conn: http.client.HTTPConnection, path: str, data: bytes) -> int:

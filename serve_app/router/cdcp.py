@@ -91,7 +91,10 @@ class DeltaEvent:
 
 @dataclass
 class AttemptFailed:
-    reason: str  # what the client may read if this ends the response: no addresses, no secrets
+    # What the client reads if this failure ends the response: the kind of failure only. No engine
+    # names, addresses, secrets or engine-side exception text: those are the operator's, in
+    # ``detail`` (and ``engine``), which only the router's log line shows.
+    reason: str
     retryable: bool
     engine: str | None = None
     status: int = 500  # HTTP status if this failure ends the response
@@ -99,13 +102,19 @@ class AttemptFailed:
     detail: str = ""  # for the router's log only
 
 
-def failure_of(exc: BaseException) -> tuple[str, str]:
-    """(what a client may read, what the log may read) of an engine call's error. pd-serve's own
-    transport errors are written to be read (engine_client.py); anything else (Ray's errors name
-    nodes, actors and processes) is summarised by its class for the client."""
-    if isinstance(exc, (EngineUnreachable, EngineCallFailed)):
-        return str(exc), ""
-    return type(exc).__name__, str(exc)[:1000]
+def failure_of(role: str, exc: BaseException) -> tuple[str, str]:
+    """(what a client may read, what the log may read) of an engine call's error.
+
+    The client gets the kind of failure: whether the engine could not be reached or its call
+    failed, or, for any other error (Ray's), its class. The log gets the description: pd-serve's
+    own transport errors are written to be logged (engine_client.py: a class and a short reason,
+    never a URL or the call's headers); anything else is cut short (Ray's errors name nodes,
+    actors and processes, which the operator may read and a client may not)."""
+    if isinstance(exc, EngineUnreachable):
+        return f"the {role} engine could not be reached", str(exc)
+    if isinstance(exc, EngineCallFailed):
+        return f"the {role} engine's call failed", str(exc)
+    return f"the {role} engine's call failed ({type(exc).__name__})", str(exc)[:1000]
 
 
 AttemptEvent = KVReadyEvent | PrefillDoneEvent | DeltaEvent | AttemptFailed
@@ -276,8 +285,8 @@ class AttemptRun:
         if exc is not None:
             if engine_gone(exc):
                 self.executor.pool.mark_unhealthy(self.prefill)
-            reason, detail = failure_of(exc)
-            return AttemptFailed(f"prefill engine {self.prefill} failed: {reason}", True, self.prefill, 502, "prefill", detail)
+            reason, detail = failure_of("prefill", exc)
+            return AttemptFailed(reason, True, self.prefill, 502, "prefill", detail)
         self.executor.metrics.prefill.observe(time.monotonic() - self.prefill_started)
         self.prefill_lease.close()  # its prompt is no longer queued on that engine
         if self.phase is Phase.PREFILLING:
@@ -287,21 +296,27 @@ class AttemptRun:
 
     async def _decode_item(self, item: Any, error: BaseException | None) -> AsyncIterator[AttemptEvent]:
         if isinstance(error, StopAsyncIteration):
-            yield AttemptFailed(f"decode engine {self.decode} ended the stream early", True, self.decode, 502, "decode")
+            yield AttemptFailed("the decode engine ended the stream early", True, self.decode, 502, "decode")
             return
         if error is not None:
             if engine_gone(error):
                 self.executor.pool.mark_unhealthy(self.decode)
-            reason, detail = failure_of(error)
-            yield AttemptFailed(f"decode engine {self.decode} failed: {reason}", True, self.decode, 502, "decode", detail)
+            reason, detail = failure_of("decode", error)
+            yield AttemptFailed(reason, True, self.decode, 502, "decode", detail)
             return
         if isinstance(item, KVReady):
             self.executor.metrics.kv_ready.observe(time.monotonic() - self.started)
             problem = kv_ready_mismatch(item.params, self.executor.pool.kv_endpoint(self.decode), self.executor.kv_ready_checks)
             if problem is not None:
                 logger.warning("attempt %s: KVReady rejected: %s", self.plan.attempt_id, problem)
+                # The problem names KV hosts and ports: the log's, not the client's.
                 yield AttemptFailed(
-                    f"decode engine {self.decode} sent a KVReady for another engine: {problem}", True, self.decode, 502, "kv_ready_mismatch"
+                    "the decode engine sent a KVReady for another engine",
+                    True,
+                    self.decode,
+                    502,
+                    "kv_ready_mismatch",
+                    problem,
                 )
                 return
             yield KVReadyEvent(item.params, self.decode)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 from collections.abc import AsyncIterator, Generator
 from typing import Any
 
@@ -41,9 +42,36 @@ class EngineCallFailed(RuntimeError):
 
 
 # Errors of this module name the failure, never the endpoint's URL or the call's headers (its
-# token): they become attempts' failure reasons, which are logged and, after the last attempt,
-# sent to the client. aiohttp's exceptions carry both (a ClientResponseError's repr holds the
-# request's headers), so they are summarised by class and never chained.
+# token): they become the detail of attempts' failures, which the router logs (the client reads
+# only the kind of failure, cdcp.failure_of). aiohttp's exceptions carry both (a
+# ClientResponseError's repr holds the request's headers, a ClientConnectorError's text the
+# host and port), so they are summarised by class and a reason picked from known-safe fields
+# (``transport_reason``), and never chained.
+
+
+def transport_reason(exc: BaseException) -> str:
+    """A short description of a transport error that holds no address, URL or header: the
+    class, and where one is known to be safe, an errno name or an HTTP status. Never ``str(exc)``
+    or ``repr(exc)``: aiohttp puts the connection key, the URL and the request's headers there,
+    and the OS error's own text names the peer's address (asyncio's "Connect call failed (host,
+    port)")."""
+    import aiohttp
+
+    name = type(exc).__name__
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"{name}, status {exc.status}"  # its message is the peer's text: not ours to repeat
+    os_error = getattr(exc, "os_error", exc)  # a ClientConnectorError wraps the OS's error
+    code = os_error.errno if isinstance(os_error, OSError) else None
+    if isinstance(code, int) and code in errno.errorcode:
+        return f"{name}, {errno.errorcode[code]}"
+    return name
+
+
+def one_line(text: str, limit: int) -> str:
+    """Text from another process (an engine's answer, an exception's message) as part of one log
+    line: cut to ``limit`` characters, control characters escaped, so a line break in it cannot
+    forge a log line of its own."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
 
 
 class EngineClient:
@@ -79,22 +107,27 @@ class EngineClient:
                 if response.status != 200:
                     if response.status == 401:  # another replica at that address now: ours is gone
                         raise EngineUnreachable("the engine's endpoint refused its token (the replica was replaced)")
-                    reason = (await response.read()).decode(errors="replace")[:500]
+                    reason = one_line((await response.read()).decode(errors="replace"), 200)
                     raise EngineCallFailed(f"the engine's endpoint answered {response.status}: {reason}")
                 reader = FrameReader()
                 async for chunk in response.content.iter_any():
                     for message in reader.feed(chunk):
                         if isinstance(message, CallError):
-                            raise EngineCallFailed(message.message)
+                            # The engine's exception text, for the router's log line: one line.
+                            raise EngineCallFailed(one_line(message.message, 1000))
                         yield message
                 if reader.pending:
                     raise EngineUnreachable(f"the engine's answer ended inside a frame ({reader.pending} bytes)")
         except aiohttp.ClientError as exc:
-            raise EngineUnreachable(f"the engine's endpoint could not be reached ({type(exc).__name__})") from None
+            raise EngineUnreachable(f"the engine's endpoint could not be reached ({transport_reason(exc)})") from None
         except asyncio.TimeoutError as exc:  # aiohttp's connect timeout
             raise EngineUnreachable(f"the engine's endpoint did not answer in time ({type(exc).__name__})") from None
+        except OSError as exc:  # a socket error aiohttp did not wrap: its text may name the peer
+            raise EngineUnreachable(f"the engine's endpoint could not be reached ({transport_reason(exc)})") from None
         except WireError as exc:
-            raise EngineCallFailed(f"the engine's endpoint sent a broken answer: {exc}") from None
+            raise EngineCallFailed(f"the engine's endpoint sent a broken answer: {one_line(str(exc), 200)}") from None
+        except RecursionError:  # msgspec's answer to a frame nested past its depth: a broken frame
+            raise EngineCallFailed("the engine's endpoint sent a broken answer: a frame nested too deep") from None
 
     async def close(self) -> None:
         if self._session is not None:

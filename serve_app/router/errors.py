@@ -35,8 +35,14 @@ def error_kind(status: int) -> str:
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     from serve_app.compat import ErrorInfo, ErrorResponse
 
-    info = ErrorInfo(message=message, type=error_type(status), param=param, code=status)
+    # A message or param can quote the client's own keys, which may hold lone surrogates: JSON
+    # can escape them, UTF-8 cannot encode them (the response would fail as it is written).
+    info = ErrorInfo(message=_encodable(message), type=error_type(status), param=None if param is None else _encodable(param), code=status)
     return ErrorResponse(error=info).model_dump(mode="json")
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class OpenAIError(Exception):

@@ -15,6 +15,7 @@ from typing import Any
 from serve_app.logs import attempt_log_level
 from serve_app.metrics import RouterMetrics
 from serve_app.router.cdcp import AttemptExecutor, AttemptFailed, DeltaEvent, KVReadyEvent, PrefillDoneEvent
+from serve_app.router.engine_client import one_line
 from serve_app.router.errors import error_body
 from serve_app.router.framing import ResponseFramer
 from serve_app.router.parsing import ParsedRequest
@@ -173,12 +174,15 @@ class ResponseSession:
             return machine.on_delta(event.delta, event.engine)
         assert isinstance(event, AttemptFailed)
         self.metrics.errors.inc(tags={"kind": event.kind})
+        # The log names the engine and the failure's detail (the operator's); the client, if this
+        # ends its response, reads event.reason alone (cdcp.AttemptFailed).
         logger.warning(
-            "request %s attempt %d failed: %s%s",
+            "request %s attempt %d failed%s: %s%s",
             machine.request_id,
             machine.attempts,
-            event.reason,
-            f" ({event.detail})" if event.detail else "",
+            f" on {event.engine}" if event.engine else "",
+            one_line(event.reason, 1000),  # an engine's refusal of the request: vLLM's text
+            f" ({one_line(event.detail, 1000)})" if event.detail else "",
             extra={"pd_request": machine.request_id, "pd_engine": event.engine, "pd_error": event.kind},
         )
         return machine.on_attempt_failed(event.reason, event.retryable, event.engine, event.status)

@@ -19,7 +19,7 @@ import requests
 
 from serve_app.protocol import EngineRequest, KVReady, TokenDelta
 from serve_app.sampling import encode_sampling
-from tests.integration.conftest import deployed, engine_handles, post, wait_idle
+from tests.integration.conftest import deployed, engine_handles, inspect, post, wait_idle
 
 pytestmark = pytest.mark.engine
 
@@ -105,17 +105,34 @@ def test_client_kv_transfer_params_are_refused_at_once(app, target, path, stream
 def test_the_engine_ignores_kv_transfer_params_in_extra_args(app, target):
     """Defence in depth: even if a request reached the decode engine with kv_transfer_params in
     its sampling params' extra_args, the engine wrapper replaces them with the router's (none,
-    for a colocated attempt): the connector posts nothing and the request runs normally."""
+    for a colocated attempt): the connector posts nothing and the request runs normally.
+
+    First, the control that makes "nothing reached the target" mean something: this engine's
+    connector is loaded and posts its callback to whatever ``metaserver`` the parameters it runs
+    with name, as it does for the router's own decode-first parameters (the decode replica
+    points those at its relay, which turns the post into a KVReady)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=6, temperature=0, extra_args={"kv_transfer_params": steering(target), "other": 1})
     handle = engine_handles(app, "decode")["decode-0"]
+    decode_first = {"do_remote_prefill": True, "do_remote_decode": False, "request_id": "sec-control-1"}
+    control = EngineRequest("sec-control-1", [5, 6, 7, 8], encode_sampling(SamplingParams(max_tokens=6, temperature=0)), decode_first)
+    stream = handle.options(stream=True).generate.remote(control)
+    first = next(stream)
+    assert isinstance(first, KVReady) and first.params["request_id"] == "sec-control-1", first
+    stream.cancel()  # no prefill will push: the attempt ends here, as the router's would
+    wait_idle(app)
+
+    params = SamplingParams(max_tokens=6, temperature=0, extra_args={"kv_transfer_params": steering(target), "other": 1})
     request = EngineRequest("sec-direct-1", [5, 6, 7, 8], encode_sampling(params), None)
     events = list(handle.options(stream=True).generate.remote(request))
     assert not any(isinstance(e, KVReady) for e in events)
     tokens = [t for e in events if isinstance(e, TokenDelta) for t in e.token_ids]
     assert len(tokens) == 6 and events[-1].finish_reason == "length"
-    time.sleep(0.5)
+    # The engine computed the whole prompt itself (KV received over the side channel counts as
+    # cached tokens) and its connector kept no transfer, under the smuggled id or the request's.
+    record = inspect(app, "decode", ["sec-direct-1", "x1"])["decode-0"]
+    assert record["requests"]["sec-direct-1"]["num_cached_tokens"] == 0, record
+    assert record["transfers"] == {"sec-direct-1": None, "x1": None}, record
     assert target.hits == []
     wait_idle(app)
 

@@ -100,6 +100,9 @@ def test_the_endpoint_takes_calls_only_with_its_token(engines_without_ray, tiny_
             for headers in ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": endpoint.token}):
                 async with session.post(endpoint.url + GENERATE_PATH, data=request, headers=headers) as response:
                     assert response.status == 401
+                    # and the connection is not kept for a stranger (it would hold a slot of
+                    # the server's limit_concurrency)
+                    assert response.headers.get("Connection", "").lower() == "close"
             good = {"Authorization": f"Bearer {endpoint.token}"}
             async with session.post(endpoint.url + GENERATE_PATH, data=b"\x00garbage", headers=good) as response:
                 assert response.status == 400
@@ -343,3 +346,130 @@ def test_a_call_with_a_stale_token_reads_as_the_engine_gone(engines_without_ray,
         assert pool.reported["decode-0"].call_endpoint == app.engines["decode-0"].call_server.endpoint
 
     run(body, http_args(), tiny_tokenizer)
+
+
+# ---------------------------------------------------------------------------- no secrets, no tracebacks
+def test_a_body_nested_too_deep_is_a_400_without_a_traceback(caplog):
+    """msgspec answers a body nested past its depth (the sampling and KV parameters are open
+    maps) with a RecursionError, not a DecodeError: the endpoint refused the call with a logged
+    traceback and a 500, one per call. It is a bad body like any other."""
+    import logging
+
+    from serve_app.engines.call_server import EngineCallServer
+
+    class Idle:
+        async def generate(self, request):
+            yield TokenDelta([1], finish_reason="stop")
+
+    body = encode_request(EngineRequest("n-1", [1], b"", None))
+    # kv_transfer_params (the last field, None) replaced by 10,000 nested one-key maps (msgspec stops near 1,000).
+    assert body.endswith(b"\xc0")
+    deep = body[:-1] + b"\x81\xa1a" * 10_000 + b"\x01"
+
+    async def main() -> None:
+        server = EngineCallServer("127.0.0.1", Idle())
+        try:
+            headers = {"Authorization": f"Bearer {server.token}"}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(server.endpoint.url + GENERATE_PATH, data=deep, headers=headers) as response:
+                    assert response.status == 400, response.status
+                    assert "nested too deep" in await response.text()
+                # The same endpoint still serves a good call.
+                async with session.post(server.endpoint.url + GENERATE_PATH, data=body, headers=headers) as response:
+                    assert response.status == 200 and await response.read()
+        finally:
+            await server.stop()
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+
+
+def test_an_unreachable_engine_is_described_without_its_address_or_token():
+    """A real refused connection: aiohttp's error text names the host and port, the OS error's
+    text the address again; the engine client's error keeps the class and the errno's name."""
+    from serve_app.ports import free_port
+    from serve_app.protocol import EngineCallEndpoint
+    from serve_app.router.engine_client import EngineClient
+
+    port = free_port()  # nothing listens there
+    endpoint = EngineCallEndpoint(url=f"http://127.0.0.1:{port}", token="a-secret-token")
+
+    async def main() -> str:
+        client = EngineClient()
+        try:
+            with pytest.raises(EngineUnreachable) as caught:
+                await anext(client.stream(endpoint, EngineRequest("u-1", [1], b"")))
+            return str(caught.value)
+        finally:
+            await client.close()
+
+    text = asyncio.run(main())
+    assert "ClientConnectorError" in text and "ECONNREFUSED" in text, text
+    for leak in (str(port), "127.0.0.1", "a-secret-token"):
+        assert leak not in text, (leak, text)
+
+
+def test_an_answer_nested_too_deep_fails_the_call_not_the_router():
+    """A frame nested past msgspec's depth from an engine's endpoint is a broken answer
+    (EngineCallFailed, the attempt retried elsewhere), not a RecursionError out of the client."""
+    from aiohttp import web
+
+    from serve_app.engine_wire import LENGTH_BYTES
+    from serve_app.protocol import EngineCallEndpoint
+    from serve_app.router.engine_client import EngineClient
+
+    payload = b"\x92\xa2kv\x81\xa6params" + b"\x81\xa1a" * 100_000 + b"\x01"  # ("kv", KVReady(params={"a": {"a": ...}}))
+    frame = len(payload).to_bytes(LENGTH_BYTES, "big") + payload
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=frame)
+
+    async def main() -> str:
+        app = web.Application()
+        app.router.add_post(GENERATE_PATH, answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        client = EngineClient()
+        try:
+            endpoint = EngineCallEndpoint(url=f"http://127.0.0.1:{port}", token="t")
+            with pytest.raises(EngineCallFailed) as caught:
+                await anext(client.stream(endpoint, EngineRequest("r-1", [1], b"")))
+            return str(caught.value)
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    assert "nested too deep" in asyncio.run(main())
+
+
+def test_a_long_prompt_is_called_on_a_fresh_connection():
+    """A call whose body is larger than a request header may be (64 KiB) on a connection's first
+    request: aiohttp sends the header and the body in one write, so the server's first read holds
+    both. The header bound must count the header, not the body read with it (a 431 here made
+    every prompt of some 20,000 tokens fail on the http transport before cac22c3)."""
+    from serve_app.engines.call_server import EngineCallServer
+
+    class Echo:
+        async def generate(self, request):
+            yield TokenDelta([len(request.prompt_token_ids)], finish_reason="stop")
+
+    prompt = [1000 + i % 20000 for i in range(40_000)]  # 3 bytes an id: a body of about 120 KB
+
+    async def main() -> None:
+        server = EngineCallServer("127.0.0.1", Echo())
+        try:
+            body = encode_request(EngineRequest("long-1", prompt, b""))
+            assert len(body) > 100_000
+            headers = {"Authorization": f"Bearer {server.token}"}
+            async with aiohttp.ClientSession() as session:  # a fresh connection
+                async with session.post(server.endpoint.url + GENERATE_PATH, data=body, headers=headers) as response:
+                    assert response.status == 200, response.status
+                    assert FrameReader().feed(await response.read()) == [TokenDelta([len(prompt)], finish_reason="stop")]
+        finally:
+            await server.stop()
+
+    asyncio.run(main())

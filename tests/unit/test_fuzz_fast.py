@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from serve_app.router.direct_http import openai_app
-from tests.fuzz_strategies import CHAT_ONLY, COMPLETIONS_ONLY, bodies, messages, oversized, prompts, raw_bodies
+from tests.fuzz_strategies import CHAT_ONLY, CLIENT_ERRORS, COMPLETIONS_ONLY, bodies, messages, oversized, prompts, raw_bodies
 from tests.unit.inprocess import MOCK_ARGS, App
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -31,12 +31,15 @@ class Harness:
         transport = httpx.ASGITransport(app=openai_app(self.app.service))
         self.client = httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30)
 
-    def post(self, path: str, raw: bytes) -> None:
-        self.loop.run_until_complete(asyncio.wait_for(self._post(path, raw), 30))
+    def post(self, path: str, raw: bytes) -> int:
+        """The answer's status, once it is checked."""
+        return self.loop.run_until_complete(asyncio.wait_for(self._post(path, raw), 30))
 
-    async def _post(self, path: str, raw: bytes) -> None:
+    async def _post(self, path: str, raw: bytes) -> int:
         response = await self.client.post(path, content=raw, headers={"content-type": "application/json"})
-        assert response.status_code < 500, f"{response.status_code} for {raw[:300]!r}: {response.text[:300]}"
+        assert response.status_code < 300 or response.status_code in CLIENT_ERRORS, (
+            f"{response.status_code} for {raw[:300]!r}: {response.text[:300]}"
+        )
         if response.status_code >= 400:
             error = response.json()["error"]
             assert error["message"] and error["type"] and error["code"] == response.status_code, error
@@ -44,9 +47,10 @@ class Harness:
             for line in response.text.splitlines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     event = json.loads(line[6:])
-                    assert "error" not in event or event["error"]["code"] < 500, event
+                    assert "error" not in event or event["error"]["code"] in CLIENT_ERRORS, event
         else:
             assert "choices" in response.json()
+        return response.status_code
 
     def close(self) -> None:
         try:
@@ -90,4 +94,7 @@ def test_raw_and_oversized_bodies(harness):
         harness.post("/v1/chat/completions", raw)
 
     fuzzed()
-    harness.post("/v1/completions", oversized(harness.app.service.config.router.http.max_body_bytes))
+    limit = harness.app.service.config.router.http.max_body_bytes
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert harness.post(path, oversized(limit)) == 413
+        assert harness.post(path, oversized(limit - 1)) < 500  # one byte less is read and parsed
