@@ -73,6 +73,12 @@ class TimeoutsConfig(_Strict):
     request_s: float = Field(600.0, gt=0, description="whole client request")
 
 
+# A token id as JSON in a prompt's list: up to six digits (vocabularies under a million), a comma
+# and a space. Text prompts take about as much (a token is a few characters; escaped non-ASCII
+# characters six bytes each, fewer characters a token).
+BODY_BYTES_PER_TOKEN = 8
+
+
 class RouterHTTPConfig(_Strict):
     """Where the router replicas serve the OpenAI HTTP API themselves (router/direct_http.py)."""
 
@@ -82,8 +88,8 @@ class RouterHTTPConfig(_Strict):
         4 * 1024 * 1024,
         ge=1024,
         description=(
-            "largest request body accepted (413 beyond it, read no further): a prompt of max_model_len "
-            "tokens as JSON token ids or text is a small fraction of the default"
+            "largest request body accepted (413 beyond it, read no further); it must hold a prompt of "
+            "max_model_len tokens as JSON token ids (8 bytes a token); left unset, it is raised to hold one"
         ),
     )
     header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a request's whole header within this")
@@ -206,6 +212,23 @@ class AppConfig(_Strict):
             if isinstance(group.cpu_bind, list) and len(group.cpu_bind) != group.replicas:
                 raise ValueError(f"{role}.cpu_bind lists {len(group.cpu_bind)} values for {group.replicas} engines")
         return self
+
+    @model_validator(mode="after")
+    def _check_body_limit(self) -> AppConfig:
+        """The body limit must hold a full-length prompt, else long prompts would be a 413. Left
+        unset, it grows with max_model_len (a long-context model needs no HTTP setting); set too
+        small, it is refused at start, naming the key."""
+        needed = BODY_BYTES_PER_TOKEN * self.max_model_len
+        http = self.router.http
+        if http.max_body_bytes >= needed:
+            return self
+        if "max_body_bytes" not in http.model_fields_set:
+            http.max_body_bytes = needed
+            return self
+        raise ValueError(
+            f"router.http.max_body_bytes ({http.max_body_bytes}) cannot hold a prompt of max_model_len "
+            f"({self.max_model_len}) tokens as JSON token ids: at least {needed}"
+        )
 
     @property
     def model_name(self) -> str:

@@ -31,8 +31,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     Content-Length, else the bytes read so far: never more than ``limit`` are held), and a 408
     when it does not arrive within ``timeout_s`` (a client trickling its body holds a slot)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise OpenAIError(413, f"Request body of {declared} bytes exceeds this server's limit of {limit} bytes")
+    if declared is not None and _declares_more(declared, limit):
+        raise OpenAIError(413, f"Request body of {declared[:32]} bytes exceeds this server's limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
     try:
@@ -45,6 +45,16 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     except TimeoutError:
         raise OpenAIError(408, f"Request body did not arrive within {timeout_s:g} s") from None
     return b"".join(chunks)
+
+
+def _declares_more(content_length: str, limit: int) -> bool:
+    """Whether a Content-Length says more than ``limit``; one longer than the limit's own digits
+    does without converting it (Python refuses to convert more than 4,300 digits: a ValueError,
+    a 500, where a header of this server's size bound holds 60,000)."""
+    if not content_length.isdigit():
+        return False  # not a length: the body is counted as it is read
+    digits = content_length.lstrip("0") or "0"
+    return len(digits) > len(str(limit)) or int(digits) > limit
 
 
 async def openai_call(service: RouterService, route: Any, request: Request) -> Response:

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,6 +48,10 @@ UNTRUSTED_TEMPLATE = (
     "Chat template is passed with request, but router.trust_request_chat_template is not set. "
     "Refused request with untrusted chat template."
 )
+# How long a client's own chat template (router.trust_request_chat_template) may run: a server's
+# template renders a conversation in milliseconds, and a client's runs in a worker thread, where
+# nothing else would ever stop one that loops without end.
+CLIENT_TEMPLATE_TIMEOUT_S = 2.0
 MAX_NESTING = 64  # deeper than any OpenAI request; a bound so checks never recurse unboundedly
 # Numbers the engines' msgpack encoding carries (vLLM's own engine protocol has the same range).
 INT_RANGE = (-(2**63), 2**64 - 1)
@@ -60,6 +67,7 @@ class ModelContext:
     vocab_size: int
     tokenizer: Any
     trust_request_chat_template: bool = False
+    client_template_timeout_s: float = CLIENT_TEMPLATE_TIMEOUT_S
     encode: PromptEncoder = field(init=False, repr=False)
     # Longer text cannot fit max_model_len tokens whatever it says (no token spells more
     # characters than the vocabulary's longest): refused before the tokenizer spends time on it.
@@ -208,6 +216,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     params.detokenize = False
     params.logprobs = logprobs
     _check_encodable(params)
+    _check_vocabulary(params, ctx)
     prefix = "chatcmpl" if route == "chat" else "cmpl"
     stream_options = request.stream_options
     return ParsedRequest(
@@ -292,6 +301,37 @@ def _check_encodable(params: Any) -> None:
         raise bad_request(f"A number is outside the range this server accepts ({low} to {high})", param=bad) from None
 
 
+# vLLM's own checks of token ids a request names (columns of the logits tensor): run by vLLM's
+# input processor, in its API server, before a request reaches an engine; here for the same reason.
+VOCABULARY_CHECKS = ("_validate_logit_bias", "_validate_stop_token_ids", "_validate_allowed_token_ids")
+
+
+@dataclass(frozen=True)
+class _VocabularyOnly:
+    """The part of vLLM's ``ModelConfig`` its token-id checks read."""
+
+    vocab_size: int
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+
+def _check_vocabulary(params: Any, ctx: ModelContext) -> None:
+    """Token ids outside the vocabulary (``logit_bias`` keys, ``stop_token_ids``,
+    ``allowed_token_ids``) are a 400 here, with vLLM's message, rather than a refusal by the
+    engine after the router has leased it (vLLM versions without one of the checks skip it: the
+    engine still refuses)."""
+    model = _VocabularyOnly(ctx.vocab_size)
+    for name in VOCABULARY_CHECKS:
+        check = getattr(params, name, None)
+        if check is None:
+            continue
+        try:
+            check(model)
+        except _client_errors() as exc:
+            raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
+
+
 def _out_of_range(value: Any, depth: int = 0) -> bool:
     low, high = INT_RANGE
     if isinstance(value, bool) or depth > MAX_NESTING:
@@ -373,14 +413,19 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
     kwargs = dict(request.chat_template_kwargs or {})
     if request.chat_template is not None:  # trusted by the operator (checked above)
         kwargs["chat_template"] = request.chat_template
+    client_template = kwargs.get("chat_template") is not None
     try:
-        text = ctx.tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            **kwargs,
-        )
+        with _time_bound(ctx.client_template_timeout_s if client_template else None):
+            text = ctx.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                **kwargs,
+            )
+    except TemplateTimeout:
+        param = "chat_template" if request.chat_template is not None else "chat_template_kwargs.chat_template"
+        raise bad_request(f"The request's chat template did not finish within {ctx.client_template_timeout_s:g} s", param=param) from None
     except Exception as exc:  # a template error is the request's fault (bad roles, kwargs)
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
     if not isinstance(text, str):
@@ -391,6 +436,39 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
     if not ids:
         raise bad_request("The rendered prompt is empty", param="messages")
     return ids
+
+
+class TemplateTimeout(Exception):
+    """A client's chat template ran past ``ModelContext.client_template_timeout_s``."""
+
+
+@contextmanager
+def _time_bound(seconds: float | None) -> Iterator[None]:
+    """Stop the Python code this thread runs inside the block after ``seconds`` (None: no bound).
+
+    A thread cannot be cancelled from outside, and a worker thread that renders a template
+    without end would hold its CPU and its executor slot for good. So a trace function on this
+    thread only checks the clock at every line and raises ``TemplateTimeout`` past the deadline,
+    which unwinds the template's frames: Jinja compiles a template to Python code, so its loops,
+    however nested, run line by line. One long C-level operation (a huge string repeat) is not
+    interrupted; the rendered text's length is checked after it. Tracing slows the code it
+    traces, so only a client's template is rendered under it."""
+    if seconds is None:
+        yield
+        return
+    deadline = time.monotonic() + seconds
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise TemplateTimeout
+        return trace
+
+    previous = sys.gettrace()  # a debugger's or coverage's, restored after
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 def _check_text_length(text: str, param: str, ctx: ModelContext) -> None:

@@ -47,6 +47,16 @@ def test_topology_checks():
     assert load_config({"prefill": {"replicas": 0}, "router": {"mode": "colocated"}}).prefill.replicas == 0
 
 
+def test_the_body_limit_must_hold_a_full_length_prompt():
+    """Else every long prompt would be a 413: refused when the config is loaded, naming the key;
+    left unset, the limit grows with max_model_len instead."""
+    assert load_config({"max_model_len": 1_000_000}).router.http.max_body_bytes == 8_000_000
+    assert load_config({}).router.http.max_body_bytes == 4 * 1024 * 1024
+    with pytest.raises(ConfigError, match="router.http.max_body_bytes"):
+        load_config({"max_model_len": 4096, "router": {"http": {"max_body_bytes": 16 * 1024}}})
+    assert load_config({"max_model_len": 1_000_000, "router": {"http": {"max_body_bytes": 8_000_000}}}).max_model_len == 1_000_000
+
+
 def test_build_app_fails_at_start_on_bad_args():
     from serve_app.app import build_app
 

@@ -104,3 +104,36 @@ def test_json_and_routes():
     with pytest.raises(OpenAIError):
         decode_json(b"{")
     assert route_of({"messages": []}) == "chat" and route_of({"prompt": "x"}) == "completions"
+
+
+def test_a_client_template_past_its_time_bound_is_stopped_in_its_thread_and_the_tracer_restored(tiny_tokenizer):
+    """The bound is a trace function on the rendering thread: it must stop the template there
+    (a 400 naming where the template came from) and leave the thread's own tracer (a debugger's,
+    coverage's) as it was, or every later request on that worker thread would run untraced."""
+    import sys
+
+    ctx = ModelContext(
+        name="tiny-llama",
+        aliases=frozenset(),
+        max_model_len=128,
+        vocab_size=1024,
+        tokenizer=tiny_tokenizer,
+        trust_request_chat_template=True,
+        client_template_timeout_s=0.0,
+    )
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    trivial = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    def tracer(frame, event, arg):
+        return None
+
+    before = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        err = refused(ctx, "chat", {**body, "chat_template_kwargs": {"chat_template": trivial}})
+        after = sys.gettrace()
+    finally:
+        sys.settrace(before)
+    assert err.param == "chat_template_kwargs.chat_template" and "did not finish" in err.message
+    assert after is tracer
+    assert parse_request("chat", body, ctx).prompt_token_ids  # the server's own template: no bound

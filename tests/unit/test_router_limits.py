@@ -80,6 +80,12 @@ HOSTILE = {
     "ec_transfer_params": ({"ec_transfer_params": {"x": 1}}, "ec_transfer_params"),
     "vllm_xargs ec_transfer_params": ({"vllm_xargs": {"ec_transfer_params": "x"}}, "vllm_xargs.ec_transfer_params"),
     "structured_outputs of the wrong shape": ({"structured_outputs": []}, None),  # found by the fast fuzzer
+    # Inside msgpack's range but outside the vocabulary: vLLM's own checks, before any engine.
+    "logit_bias key outside the vocabulary": ({"logit_bias": {"1000000": 1.0}}, "logit_bias"),
+    "negative logit_bias key": ({"logit_bias": {"-1": 1.0}}, "logit_bias"),
+    "allowed_token_ids outside the vocabulary": ({"allowed_token_ids": [5, 1000000]}, "allowed_token_ids"),
+    "negative allowed_token_ids": ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    "stop_token_ids outside the vocabulary": ({"stop_token_ids": [-1]}, "stop_token_ids"),
 }
 
 
@@ -90,7 +96,8 @@ def test_hostile_fields_are_a_400_naming_them(engines_without_ray, tiny_tokenize
 
     async def body(app: App, client: httpx.AsyncClient) -> None:
         raw = json.dumps({"prompt": PROMPT, "max_tokens": 4, "stream": stream, **fields})  # ascii: \\ud800 stays an escape
-        response = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        with mock.patch.object(app.service, "_session", side_effect=AssertionError("an engine was asked")):
+            response = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert_openai_error(response, 400, param)
 
     run(body, tiny_tokenizer)
@@ -105,6 +112,11 @@ def test_surrogates_in_chat_messages_and_through_the_handle_api(engines_without_
         assert final["error"]["code"] == 400 and final["error"]["param"] == "prompt"
         events = [e async for e in app.service.generate({"messages": [{"role": "\ud800", "content": "hi"}]})]
         assert len(events) == 1 and events[0]["error"]["code"] == 400
+        # A surrogate in a key the error's param quotes (found by the fuzzer): escaped, else the
+        # error body itself could not be written (a 500).
+        raw = json.dumps({"messages": [], "max_tokens": 1, "add_generation_prompt": {"\ud800": "\ud800"}})
+        response = await client.post("/v1/chat/completions", content=raw)
+        assert_openai_error(response, 400, "add_generation_prompt.\\ud800")
 
     run(body, tiny_tokenizer)
 
@@ -142,10 +154,40 @@ def test_a_client_chat_template_is_refused_unless_the_operator_trusts_clients(en
 
     async def trusted(app: App, client: httpx.AsyncClient) -> None:
         assert (await client.post("/v1/chat/completions", json=direct)).status_code == 200
-        # Trusted, but what it renders is still bounded by what the model can take.
+        # Trusted, but what it renders is still bounded by what the model can take (checked here
+        # apart from the time bound, which a slow host could reach first: 10^8 characters).
+        app.service.ctx.client_template_timeout_s = 600.0
         assert_openai_error(await client.post("/v1/chat/completions", json=smuggled), 400, "messages")
 
     run(trusted, tiny_tokenizer, trust_request_chat_template=True)
+
+
+def test_a_trusted_client_template_is_stopped_at_its_time_bound(engines_without_ray, tiny_tokenizer):
+    """A client's template runs in a worker thread, which nothing could cancel: a template that
+    loops (nearly) without end is stopped inside the thread at the bound, a 400 naming it, and
+    the thread is free again. Bound 0: even a trivial client template is stopped, so the bound
+    is shown to apply whatever the host's speed; the server's own template never is."""
+    messages = [{"role": "user", "content": "hi"}]
+    looping = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x"
+    trivial = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        async def chat(**sent: Any) -> httpx.Response:
+            return await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **sent})
+
+        app.service.ctx.client_template_timeout_s = 0.0
+        for sent, param in (
+            ({"chat_template": trivial}, "chat_template"),
+            ({"chat_template_kwargs": {"chat_template": trivial}}, "chat_template_kwargs.chat_template"),
+        ):
+            assert "did not finish" in assert_openai_error(await chat(**sent), 400, param)["message"]
+        assert (await chat()).status_code == 200
+        app.service.ctx.client_template_timeout_s = 0.2
+        assert_openai_error(await chat(chat_template=looping), 400, "chat_template")
+        app.service.ctx.client_template_timeout_s = 30.0
+        assert (await chat(chat_template=trivial)).status_code == 200
+
+    run(body, tiny_tokenizer, trust_request_chat_template=True)
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(engines_without_ray, tiny_tokenizer):
@@ -208,7 +250,7 @@ def test_large_handle_api_requests_are_parsed_off_the_event_loop(engines_without
 
 
 def test_bodies_over_the_limit_are_a_413_without_being_read_whole(engines_without_ray, tiny_tokenizer):
-    limit = 4096
+    limit = 16 * 1024  # the least that holds a prompt of the app's max_model_len (2048) as token ids
 
     async def body(app: App, client: httpx.AsyncClient) -> None:
         declared = await client.post("/v1/completions", content=b"x" * (limit + 1))
@@ -228,7 +270,7 @@ def test_bodies_over_the_limit_are_a_413_without_being_read_whole(engines_withou
 def test_read_body_stops_reading_at_the_limit_and_gives_a_slow_body_a_deadline():
     received: list[int] = []
 
-    def request(chunks: list[bytes], stall: bool = False) -> Request:
+    def request(chunks: list[bytes], stall: bool = False, headers: list[tuple[bytes, bytes]] | None = None) -> Request:
         queue = list(chunks)
 
         async def receive() -> dict[str, Any]:
@@ -238,7 +280,7 @@ def test_read_body_stops_reading_at_the_limit_and_gives_a_slow_body_a_deadline()
             await asyncio.sleep(3600)  # a client that stopped sending
             return {}
 
-        return Request({"type": "http", "method": "POST", "headers": []}, receive)
+        return Request({"type": "http", "method": "POST", "headers": headers or []}, receive)
 
     async def main() -> None:
         with pytest.raises(OpenAIError) as too_big:
@@ -248,6 +290,11 @@ def test_read_body_stops_reading_at_the_limit_and_gives_a_slow_body_a_deadline()
             await read_body(request([b"{"], stall=True), limit=1000, timeout_s=0.2)
         assert slow.value.status == 408
         assert await read_body(request([b"ab", b"cd"]), limit=1000, timeout_s=5) == b"abcd"
+        for length in (b"9" * 5000, b"0" * 5000 + b"1001"):  # more digits than Python converts
+            with pytest.raises(OpenAIError) as declared:
+                await read_body(request([b"a"], headers=[(b"content-length", length)]), limit=1000, timeout_s=5)
+            assert declared.value.status == 413
+        assert await read_body(request([b"ab"], headers=[(b"content-length", b"0" * 5000 + b"2")]), limit=1000, timeout_s=5) == b"ab"
 
     asyncio.run(main())
 
