@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
     disaggregated = {**app["args"], "router": {**app["args"]["router"], "mode": "disaggregated"}}
     colocated = {
         **app["args"],
-        "prefill": {**app["args"]["prefill"], "replicas": 0},
+        "prefill": {**app["args"]["prefill"], "num_replicas": 0},
         "router": {**app["args"]["router"], "mode": "colocated"},
         "kv_port_base": 37000,
     }

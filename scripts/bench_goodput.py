@@ -221,7 +221,7 @@ def app_args(target: str, chunk: int) -> dict[str, Any]:
     args.update(model=str(MODEL_DIR), served_model_name=SERVED_NAME, max_model_len=MAX_MODEL_LEN)
     step = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True}
     if target == "colocated":
-        args["prefill"] = {**args["prefill"], "replicas": 0}
+        args["prefill"] = {**args["prefill"], "num_replicas": 0}
         args["decode"] = {**args["decode"], "cpu_bind": ["0-1"], "engine_kwargs": step}
         args["router"] = {**args["router"], "mode": "colocated"}
     else:

@@ -1,6 +1,6 @@
 """pd-serve against vLLM's own OpenAI server, in one run, with vLLM's own benchmark client.
 
-Usage: ``.venv/bin/python scripts/bench_serving.py [--targets vllm,colocated,disaggregated,mock,mock-colocated]
+Usage: ``.venv/bin/python scripts/bench_serving.py [--targets vllm,colocated,disaggregated,colocated-grpc,...]
 [--quick] [--rounds N] [--repeat N] [--out bench.json]`` (after ``make run`` or ``make test`` set up the venv
 and the tiny model; stop ``make run`` first: every target here is started and stopped by this
 script, one at a time, on free ports).
@@ -13,7 +13,10 @@ Targets, each started as a user would start it:
 * ``disaggregated``: ``serve run`` of configs/serve.yaml as it is (one prefill, one decode);
 * ``mock``: configs/serve.yaml on the mock engine (``backend: mock``): the router and the
   decode-first handoff, with engines that cost (almost) nothing;
-* ``mock-colocated``: the same, colocated on one mock decode engine: the router alone.
+* ``mock-colocated``: the same, colocated on one mock decode engine: the router alone;
+* ``colocated-grpc``, ``disaggregated-grpc``: ``colocated`` and ``disaggregated`` with the router's
+  engine calls over Serve handles (``router.engine_transport: grpc``, pinned to the replica the
+  schedule chose) instead of the engines' own HTTP endpoints.
 
 Each is driven by ``vllm.benchmarks.serve`` (random dataset, ``--ignore-eos``, temperature 0) at
 concurrency 1, 8 and 32 after a short warm-up that is not recorded. Targets take turns: each round
@@ -116,7 +119,7 @@ def kind_of(proc: psutil.Process) -> str | None:
         return "router"
     if "ProxyActor" in cmd:
         return "http proxy"
-    if "ServeReplica" in cmd and ("decode-" in cmd or "prefill-" in cmd):
+    if "ServeReplica" in cmd and (":decode" in cmd or ":prefill" in cmd):
         return "engine replica"
     if "vllm.entrypoints.openai.api_server" in cmd:
         return "api server"
@@ -203,8 +206,11 @@ def serve_yaml() -> dict[str, Any]:
 def app_args(target: str) -> dict[str, Any]:
     (app,) = serve_yaml()["applications"]
     args = dict(app["args"])
+    if target.endswith("-grpc"):
+        target = target.removesuffix("-grpc")
+        args["router"] = {**args["router"], "engine_transport": "grpc"}
     if target in ("colocated", "mock-colocated"):
-        args["prefill"] = {**args["prefill"], "replicas": 0}
+        args["prefill"] = {**args["prefill"], "num_replicas": 0}
         args["router"] = {**args["router"], "mode": "colocated"}
     for key, value in OVERRIDES.items():
         set_arg(args, key, value)
@@ -218,7 +224,7 @@ def app_args(target: str) -> dict[str, Any]:
 def set_arg(args: dict[str, Any], dotted: str, value: Any) -> None:
     """Set one app arg; a dotted key (``decode.env.NAME``) changes only that field of the nested
     dicts, so overriding one setting of a group keeps the group's others (and the target's own,
-    e.g. colocated's ``prefill.replicas: 0``)."""
+    e.g. colocated's ``prefill.num_replicas: 0``)."""
     *parents, leaf = dotted.split(".")
     node = args
     for part in parents:
@@ -455,7 +461,7 @@ def router_added_ttft(port: int, samples: int = 100) -> dict[str, float]:
     ray.init(address="auto", log_to_driver=False, namespace="serve")
     try:
         router = serve.get_app_handle("pd")
-        decode = serve.get_deployment_handle("decode-0", "pd")
+        decode = serve.get_deployment_handle("decode", "pd")  # its one replica
         prompt = list(range(20, 52))
         via_router, direct = [], []
         from vllm import SamplingParams
@@ -490,7 +496,7 @@ ROWS = [
     ("ITL p50 (ms)", "median_itl_ms", 1.0),
     ("failed", "failed", 1.0),
 ]
-ALL_TARGETS = ("vllm", "colocated", "disaggregated", "mock", "mock-colocated")
+ALL_TARGETS = ("vllm", "colocated", "disaggregated", "colocated-grpc", "disaggregated-grpc", "mock", "mock-colocated")
 CPU_KINDS = ["router", "http proxy", "engine replica", "api server", "engine core", "worker", "ray"]
 
 

@@ -1,23 +1,33 @@
 """``build_app(args)``: the application ``configs/serve.yaml`` imports.
 
-One router deployment (the HTTP ingress) and one single-replica deployment per engine
-(``prefill-0``, ``decode-0``, ...). Every replica reserves an explicit ``num_cpus`` from the
-config, so the whole app fits a small host, and engine replicas get their environment
-(thread binding, loopback, offline hub) through Ray's runtime_env, where the dashboard shows it.
+Three deployments: ``router`` (the HTTP ingress), ``prefill`` and ``decode``, each role's engines
+being the replicas of its deployment. Their counts are Serve's: ``num_replicas``, or an
+``autoscaling_config`` whose policy reads the load each engine reports (serve_app/autoscaling.py).
+The engine deployments route calls with pd-serve's request router (router/replica_router.py), so
+the schedule's choice of replica is the one called, and every router learns of replicas as Serve
+starts and stops them. Every replica reserves an explicit ``num_cpus`` from the config, so the
+whole app fits a small host, and engine replicas get their environment (thread binding, loopback,
+offline hub) through Ray's runtime_env, where the dashboard shows it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from ray.serve import Application
 
+from serve_app.autoscaling import DEFAULT_POLICY
 from serve_app.config import ConfigError, load_config
-from serve_app.engines.backends import BACKENDS, EngineSpec, engine_specs, environment_problems
+from serve_app.engines.backends import BACKENDS, environment_problems, pool_spec, replica_spec, replicas_keep_off
 
-ENGINE_MAX_ONGOING_REQUESTS = 1024
+ENGINE_REQUEST_ROUTER = "serve_app.router.replica_router:EngineRequestRouter"
+# How often a stopping engine replica checks Serve's own count of its requests before Serve calls
+# its destructor, which waits for the engine itself to be empty (engines/server.py): the router's
+# HTTP calls are not in Serve's count, so the destructor's wait is the one that matters.
+SHUTDOWN_WAIT_LOOP_S = 0.5
+# What a stopping replica leaves of graceful_shutdown_timeout_s for Serve's own steps.
+SHUTDOWN_MARGIN_S = 2.0
 
 # Serve's per-replica knobs of its throughput-optimized mode: run user code and the handle router
 # on the replica's main event loop rather than on threads of their own, so a request or a
@@ -49,52 +59,54 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
 
 def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application:
     """``build_app`` with replacement classes, for Python callers (the tests)."""
+    from ray.serve.config import RequestRouterConfig
+
     from serve_app.engines.decode import Decode
     from serve_app.engines.prefill import Prefill
     from serve_app.router.deployment import Router
 
     config = load_config(args)
+    config_data = config.deployment_args()
+    cores = list(replicas_keep_off(config))
     engines = {}
-    for spec in engine_specs(config):
-        problems = environment_problems(BACKENDS[config.backend], spec.env)
+    roles = ("prefill", "decode") if config.has_prefill() else ("decode",)
+    for role in roles:
+        group = getattr(config, role)
+        first = replica_spec(config, role, 0)  # the options every replica of the role shares
+        problems = environment_problems(BACKENDS[config.backend], first.env)
         if problems:
-            raise ConfigError(f"invalid pd-serve config: {spec.role}.env: " + "; ".join(problems))
-        if plugins.kv_connector:
-            spec = _with_connector(spec, plugins.kv_connector)
-        deployment = (plugins.prefill_cls or Prefill) if spec.role == "prefill" else (plugins.decode_cls or Decode)
-        engines[spec.name] = deployment.options(
-            name=spec.name,
-            num_replicas=1,
-            max_ongoing_requests=ENGINE_MAX_ONGOING_REQUESTS,
-            health_check_period_s=spec.health_check_period_s,
-            health_check_timeout_s=spec.health_check_timeout_s,
-            graceful_shutdown_timeout_s=5,
+            raise ConfigError(f"invalid pd-serve config: {role}.env: " + "; ".join(problems))
+        deployment = (plugins.prefill_cls or Prefill) if role == "prefill" else (plugins.decode_cls or Decode)
+        drain_s = max(0.0, group.graceful_shutdown_timeout_s - SHUTDOWN_WAIT_LOOP_S - SHUTDOWN_MARGIN_S)
+        spec = pool_spec(config, role, plugins.kv_connector)
+        engines[role] = deployment.options(
+            name=role,
+            **group.serve_options(DEFAULT_POLICY[role]),
+            max_ongoing_requests=group.max_ongoing_requests,
+            health_check_period_s=first.health_check_period_s,
+            health_check_timeout_s=first.health_check_timeout_s,
+            graceful_shutdown_timeout_s=group.graceful_shutdown_timeout_s,
+            graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
+            **({"max_surge_percent": group.max_surge_percent} if group.max_surge_percent is not None else {}),
+            request_router_config=RequestRouterConfig(request_router_class=ENGINE_REQUEST_ROUTER),
             # The router polls stats twice a second; access logs would be mostly that.
             logging_config={"enable_access_log": False, "encoding": config.log_encoding, "log_level": config.log_level},
             ray_actor_options={
-                "num_cpus": spec.num_cpus,
-                "resources": spec.resources,
-                "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **spec.env}},
+                "num_cpus": first.num_cpus,
+                "resources": first.resources,
+                "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **first.env}},
             },
-        ).bind(spec)
+        ).bind(spec, drain_s)
     router = config.router
     return Router.options(
         name="router",
-        num_replicas=router.num_replicas,
+        **router.serve_options(DEFAULT_POLICY["router"]),
         max_ongoing_requests=router.max_ongoing_requests,
+        graceful_shutdown_timeout_s=router.graceful_shutdown_timeout_s,
         logging_config={"encoding": config.log_encoding, "log_level": config.log_level},
         ray_actor_options={
             "num_cpus": router.num_cpus,
             "resources": dict(router.resources),
             "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **BACKENDS[config.backend].router_env}},
         },
-    ).bind(config.model_dump(mode="json"), engines)
-
-
-def _with_connector(spec: EngineSpec, connector: str) -> EngineSpec:
-    module, _, cls = connector.partition(":")
-    kwargs = dict(spec.engine_kwargs)
-    if "kv_transfer_config" not in kwargs:
-        return spec
-    kwargs["kv_transfer_config"] = {**kwargs["kv_transfer_config"], "kv_connector": cls, "kv_connector_module_path": module}
-    return dataclasses.replace(spec, engine_kwargs=kwargs)
+    ).bind(config_data, engines, cores)

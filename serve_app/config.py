@@ -8,7 +8,7 @@ silently ignored.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -22,14 +22,122 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class EngineGroupConfig(_Strict):
-    """One role's engines: ``replicas`` engines, each its own single-replica deployment.
+class ScalingConfig(_Strict):
+    """How many replicas a deployment runs, in Ray Serve's own terms: a fixed ``num_replicas``, or
+    ``num_replicas: auto`` and/or an ``autoscaling_config`` (Serve's schema, checked by Serve's own
+    model). Where the autoscaling config names no policy, pd-serve's load policy for the
+    deployment's role fills it in (serve_app/autoscaling.py): Serve's default counts the requests
+    that pass through its handles, which the router's calls to engines do not."""
 
-    One deployment per engine lets the router's balancer address an engine by name; Serve
-    still restarts each one when it dies.
-    """
+    # None: one replica, or the autoscaling_config's count (a dumped config loads again as it was).
+    num_replicas: int | Literal["auto"] | None = Field(None, description="replicas of this deployment (default 1), or 'auto'")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve's autoscaling_config (min_replicas, max_replicas, policy, delays, ...)"
+    )
 
-    replicas: int = Field(1, ge=0, le=64, description="number of engines of this role")
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_replicas(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "replicas" in data:
+            raise ValueError(
+                "'replicas' is now 'num_replicas' (Ray Serve's name: each role is one deployment whose "
+                "replicas are its engines; num_replicas: auto or an autoscaling_config scale it)"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _check_scaling(self) -> ScalingConfig:
+        if self.autoscaling_config is not None:
+            serve_autoscaling_config(self.autoscaling_config, None)  # raises ValueError naming the key
+            if isinstance(self.num_replicas, int):
+                raise ValueError("set num_replicas or autoscaling_config, not both (num_replicas: auto may go with it)")
+        return self
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.num_replicas == "auto" or self.autoscaling_config is not None
+
+    @property
+    def initial_replicas(self) -> int:
+        """Replicas at start: the fixed count, or the autoscaler's initial (else minimum) count."""
+        if not self.autoscaled:
+            return 1 if self.num_replicas is None else int(self.num_replicas)
+        config = self.autoscaling_config or {}
+        initial = config.get("initial_replicas")
+        return int(initial if initial is not None else config.get("min_replicas", 1))
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas there can be (Serve's defaults: 100 for ``auto``, else 1)."""
+        if not self.autoscaled:
+            return self.initial_replicas
+        return int((self.autoscaling_config or {}).get("max_replicas", 100 if self.num_replicas == "auto" else 1))
+
+    @property
+    def min_replicas(self) -> int:
+        return int((self.autoscaling_config or {}).get("min_replicas", 1)) if self.autoscaled else self.initial_replicas
+
+    def serve_options(self, default_policy: str | None) -> dict[str, Any]:
+        """The deployment options Serve takes: ``num_replicas`` and ``autoscaling_config``."""
+        if not self.autoscaled:
+            return {"num_replicas": self.initial_replicas}
+        options: dict[str, Any] = {"autoscaling_config": serve_autoscaling_config(self.autoscaling_config or {}, default_policy)}
+        if self.num_replicas == "auto":
+            options["num_replicas"] = "auto"
+        return options
+
+
+def serve_autoscaling_config(config: dict[str, Any], default_policy: str | None) -> dict[str, Any]:
+    """``config`` checked by Ray Serve's own ``AutoscalingConfig`` (whose unknown keys it would
+    drop silently: refused here, by name), with ``default_policy`` (``module:Class``) where it
+    names none."""
+    from pydantic import ValidationError as PydanticError
+    from ray.serve.config import AutoscalingConfig
+
+    unknown = sorted(set(config) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise ValueError(f"autoscaling_config: unknown field(s) {unknown}; Ray Serve's are {sorted(AutoscalingConfig.model_fields)}")
+    merged = dict(config)
+    if default_policy is not None and "policy" not in merged:
+        merged["policy"] = {"policy_function": default_policy}
+    try:
+        AutoscalingConfig(**merged)
+    except ImportError as exc:  # Serve imports the policy to check it
+        raise ValueError(f"autoscaling_config.policy: cannot import the policy: {exc}") from None
+    except (PydanticError, TypeError, ValueError) as exc:
+        raise ValueError(f"autoscaling_config: {exc}".replace("\n", " ")) from None
+    return merged
+
+
+# An engine pool's options that are Serve's, per deployment (EngineGroupConfig).
+POOL_SCALING_FIELDS = ("num_replicas", "autoscaling_config", "max_ongoing_requests", "graceful_shutdown_timeout_s", "max_surge_percent")
+
+
+class EngineGroupConfig(ScalingConfig):
+    """One role's engines: one Serve deployment (``prefill`` or ``decode``) whose replicas are the
+    engines, each owning one vLLM engine. Serve starts, stops and scales them; the router learns
+    of each as it starts and stops (router/membership.py)."""
+
+    num_replicas: Annotated[int, Field(ge=0, le=256)] | Literal["auto"] | None = Field(
+        None, description="engines of this role (default 1), or 'auto'"
+    )
+    max_ongoing_requests: int = Field(1024, ge=1, description="Serve's bound on calls in progress per engine replica")
+    max_surge_percent: int | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description=(
+            "Serve's rolling-update surge: replacements start before old replicas stop (their streams then move "
+            "to a new engine at once); None: Serve's default (stop first)"
+        ),
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "how long a stopping engine replica may take: its requests move to other engines (decode) or finish (prefill) within it"
+        ),
+    )
     num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per engine replica")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments for this role (override the backend's)")
     cpu_bind: Literal["auto", "nobind"] | list[str] = Field(
@@ -104,9 +212,9 @@ class RouterHTTPConfig(_Strict):
     )
 
 
-class RouterConfig(_Strict):
+class RouterConfig(ScalingConfig):
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(None, description="router replicas (default 1), or 'auto'")
     num_cpus: float = Field(0.1, ge=0)
     max_attempts: int = Field(4, ge=1, le=64, description="attempts per client request (recompute + faults)")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
@@ -119,6 +227,9 @@ class RouterConfig(_Strict):
         ),
     )
     max_ongoing_requests: int = Field(1024, ge=1)
+    graceful_shutdown_timeout_s: float = Field(
+        60.0, gt=3, description="how long a stopping router replica may take: the responses it is streaming finish within it"
+    )
     http: RouterHTTPConfig = Field(default_factory=RouterHTTPConfig)
     resources: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources per router replica (placement: e.g. {pd_head: 0.01})"
@@ -203,15 +314,27 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_topology(self) -> AppConfig:
-        if self.decode.replicas < 1:
-            raise ValueError("decode.replicas must be at least 1: decode engines serve every request")
-        if self.router.mode == "disaggregated" and self.prefill.replicas < 1:
-            raise ValueError("router.mode 'disaggregated' needs prefill.replicas >= 1")
+        # An engine pool never scales from zero: the router's calls reach engines over their own
+        # transport, so Serve sees no demand for a pool that has no replica.
+        if self.decode.min_replicas < 1:
+            raise ValueError(
+                "decode needs at least 1 replica (num_replicas, or autoscaling_config.min_replicas): decode engines serve every request"
+            )
+        if self.router.mode == "disaggregated" and self.prefill.min_replicas < 1:
+            raise ValueError(
+                "router.mode 'disaggregated' needs at least 1 prefill replica (num_replicas, or autoscaling_config.min_replicas)"
+            )
+        if self.router.mode == "colocated" and self.prefill.autoscaled:
+            raise ValueError("router.mode 'colocated' sends nothing to prefill engines: prefill cannot autoscale")
         for role in ("prefill", "decode"):
             group: EngineGroupConfig = getattr(self, role)
-            if isinstance(group.cpu_bind, list) and len(group.cpu_bind) != group.replicas:
-                raise ValueError(f"{role}.cpu_bind lists {len(group.cpu_bind)} values for {group.replicas} engines")
+            if isinstance(group.cpu_bind, list) and len(group.cpu_bind) < group.initial_replicas:
+                raise ValueError(f"{role}.cpu_bind lists {len(group.cpu_bind)} values for {group.initial_replicas} engines")
         return self
+
+    def has_prefill(self) -> bool:
+        """Whether the app runs prefill engines (a prefill deployment)."""
+        return self.prefill.initial_replicas > 0 or self.prefill.autoscaled
 
     @model_validator(mode="after")
     def _check_body_limit(self) -> AppConfig:
@@ -229,6 +352,19 @@ class AppConfig(_Strict):
             f"router.http.max_body_bytes ({http.max_body_bytes}) cannot hold a prompt of max_model_len "
             f"({self.max_model_len}) tokens as JSON token ids: at least {needed}"
         )
+
+    def deployment_args(self) -> dict[str, Any]:
+        """The config as the app hands it to its deployments' constructors: without the engine
+        pools' scaling options, which are Serve's deployment options and no replica reads. A
+        pool of zero prefill engines stays zero: that is the app's shape (colocated), not a
+        scale."""
+        data = self.model_dump(mode="json")
+        for role in ("prefill", "decode"):
+            for key in POOL_SCALING_FIELDS:
+                data[role].pop(key, None)
+            if role == "prefill" and not self.has_prefill():
+                data[role]["num_replicas"] = 0
+        return data
 
     @property
     def model_name(self) -> str:

@@ -36,6 +36,7 @@ class RouterMetrics:
     router_time: Any  # pd_router_seconds{route}: per request, the router's own time
     leak_requests: Any  # pd_leak_requests{engine}: requests an engine holds that no router does
     leak_kv_tokens: Any  # pd_leak_kv_tokens{engine}: KV an engine holds with no request in flight
+    moves: Any  # pd_moves_total{engine}: attempts moved off a decode engine Serve was stopping
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def router_metrics() -> RouterMetrics:
         ),
         leak_requests=Gauge("pd_leak_requests", "requests an engine holds that no router holds (leak audit)", tag_keys=("engine",)),
         leak_kv_tokens=Gauge("pd_leak_kv_tokens", "KV tokens an engine holds with no request in flight (leak audit)", tag_keys=("engine",)),
+        moves=Counter("pd_moves", "attempts moved off a decode engine that Serve was stopping (drain)", tag_keys=("engine",)),
     )
 
 

@@ -15,6 +15,9 @@ Role = Literal["prefill", "decode"]
 # The stop_reason a decode engine's recompute scheduler sets when it gives a request back instead
 # of preempting it locally (vllm-ascend's RecomputeScheduler uses the same string).
 RECOMPUTED = "recomputed"
+# The stop_reason a decode engine that Serve is stopping ends its streams with: the router resumes
+# each on another decode engine, as after a recompute (engines/server.py, "drain").
+MOVED = "moved"
 
 
 @dataclass(frozen=True)

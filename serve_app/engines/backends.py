@@ -205,52 +205,118 @@ class EngineSpec:
         return BACKENDS[self.backend].push_records
 
 
-def engine_specs(config: AppConfig) -> list[EngineSpec]:
-    """One spec per engine: prefill-0..P-1 then decode-0..D-1."""
+@dataclass(frozen=True)
+class PoolSpec:
+    """What one role's deployment is bound with: the app's config (as data) and the role. Each
+    replica turns it into its own ``EngineSpec`` at start, from the rank Serve gives it
+    (``replica_spec``): its name, KV port and thread binding follow from the rank."""
+
+    config: dict[str, Any]  # AppConfig.deployment_args(): no pool's scaling options
+    role: Role
+    index_base: int = 0  # pool_offset of the role in the full config
+    engines_cores: tuple[int, ...] = ()  # replicas_keep_off of the full config
+    # A replacement KV connector (``module:Class``), from Python only: the tests' fault injection.
+    kv_connector: str | None = None
+
+    def for_rank(self, rank: int, unique_id: str = "") -> EngineSpec:
+        from serve_app.config import load_config
+
+        spec = replica_spec(load_config(self.config), self.role, rank, unique_id, index_base=self.index_base)
+        spec = replace(spec, engines_cores=self.engines_cores)
+        return with_connector(spec, self.kv_connector) if self.kv_connector else spec
+
+
+def pool_spec(config: AppConfig, role: Role, kv_connector: str | None = None) -> PoolSpec:
+    """What ``role``'s deployment is bound with."""
+    return PoolSpec(
+        config=config.deployment_args(),
+        role=role,
+        index_base=pool_offset(config, role),
+        engines_cores=tuple(sorted(replicas_keep_off(config))),
+        kv_connector=kv_connector,
+    )
+
+
+def pool_offset(config: AppConfig, role: Role) -> int:
+    """The global index of a role's rank 0: prefill engines first, then decode, after the most
+    prefill engines there can be. Used for KV port blocks and the round-robin thread binding, so
+    no two engines of the app share a port block, however the pools scale (the cpu backend also
+    replaces a busy KV port at start; Ascend's does not)."""
+    return 0 if role == "prefill" else (config.prefill.max_replicas if config.has_prefill() else 0)
+
+
+def replica_spec(config: AppConfig, role: Role, rank: int, unique_id: str = "", index_base: int | None = None) -> EngineSpec:
+    """The spec of the engine that is replica ``rank`` of ``role``'s deployment (named
+    ``<role>-<rank>``). ``unique_id`` (Serve's replica id) makes its KV engine id unique across
+    replacements, so a KVReady from a replaced replica never matches its successor."""
     backend = BACKENDS[config.backend]
-    specs: list[EngineSpec] = []
+    group: EngineGroupConfig = getattr(config, role)
     ncores = max(1, os.cpu_count() or 1)
-    for role in ("prefill", "decode"):
-        group: EngineGroupConfig = getattr(config, role)
-        for i in range(group.replicas):
-            index = len(specs)
-            kv_port = config.kv_port_base + index * KV_PORT_STRIDE
-            env = dict(backend.engine_env)
-            if backend.pins_cpu_threads:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(group.cpu_bind, i, index, ncores)
-                if env["VLLM_CPU_OMP_THREADS_BIND"] != "nobind":
-                    # The engine core takes turns with its workers: it runs on their cores
-                    # (engines/core_affinity.py).
-                    env[CORE_BIND_ENV] = "1"
-            env.update(group.env)
-            specs.append(
-                EngineSpec(
-                    name=f"{role}-{i}",
-                    role=role,  # type: ignore[arg-type]
-                    index=index,
-                    engine_kwargs=build_engine_kwargs(config, backend, role, kv_port=kv_port, engine_id=f"{role}-{i}"),  # type: ignore[arg-type]
-                    env=env,
-                    kv_port=kv_port,
-                    num_cpus=group.num_cpus,
-                    health_check_period_s=group.health_check_period_s,
-                    health_check_timeout_s=group.health_check_timeout_s,
-                    backend=backend.name,
-                    stream_items_per_s=config.stream_items_per_s,
-                    call_server=config.router.engine_transport == "http",
-                    resources=_resources(config, backend, role, group),  # type: ignore[arg-type]
-                    notes=engine_notes(config, role),  # type: ignore[arg-type]
-                )
-            )
-    cores = tuple(sorted(replicas_keep_off(config, specs)))
-    return [replace(spec, engines_cores=cores) for spec in specs]
+    index = (pool_offset(config, role) if index_base is None else index_base) + rank
+    name = f"{role}-{rank}"
+    kv_port = config.kv_port_base + index * KV_PORT_STRIDE
+    if kv_port + KV_PORT_STRIDE > 65535:
+        kv_port = config.kv_port_base  # a high rank: the fallback (cpu) finds a free port at start
+    env = dict(backend.engine_env)
+    if backend.pins_cpu_threads:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(group.cpu_bind, rank, index, ncores)
+        if env["VLLM_CPU_OMP_THREADS_BIND"] != "nobind":
+            # The engine core takes turns with its workers: it runs on their cores
+            # (engines/core_affinity.py).
+            env[CORE_BIND_ENV] = "1"
+    env.update(group.env)
+    engine_id = f"{name}-{unique_id}" if unique_id else name
+    return EngineSpec(
+        name=name,
+        role=role,
+        index=index,
+        engine_kwargs=build_engine_kwargs(config, backend, role, kv_port=kv_port, engine_id=engine_id),
+        env=env,
+        kv_port=kv_port,
+        num_cpus=group.num_cpus,
+        health_check_period_s=group.health_check_period_s,
+        health_check_timeout_s=group.health_check_timeout_s,
+        backend=backend.name,
+        stream_items_per_s=config.stream_items_per_s,
+        call_server=config.router.engine_transport == "http",
+        resources=_resources(config, backend, role, group),
+        notes=engine_notes(config, role),
+        engines_cores=tuple(sorted(replicas_keep_off(config))),
+    )
 
 
-def replicas_keep_off(config: AppConfig, specs: list[EngineSpec]) -> set[int]:
-    """The cores the router and engine replicas stay off: every engine's bound cores, where the
-    backend binds engine threads and ``replica_cpus`` is ``spare``."""
+def engine_specs(config: AppConfig) -> list[EngineSpec]:
+    """The engines the config starts with: prefill-0..P-1 then decode-0..D-1 (each role's
+    initial replicas, by rank)."""
+    roles: list[Role] = ["prefill", "decode"] if config.has_prefill() else ["decode"]
+    return [replica_spec(config, role, rank) for role in roles for rank in range(getattr(config, role).initial_replicas)]
+
+
+def with_connector(spec: EngineSpec, connector: str) -> EngineSpec:
+    """``spec`` with its engine loading ``connector`` (``module:Class``) as its KV connector."""
+    module, _, cls = connector.partition(":")
+    kwargs = dict(spec.engine_kwargs)
+    if "kv_transfer_config" not in kwargs:
+        return spec
+    kwargs["kv_transfer_config"] = {**kwargs["kv_transfer_config"], "kv_connector": cls, "kv_connector_module_path": module}
+    return replace(spec, engine_kwargs=kwargs)
+
+
+def replicas_keep_off(config: AppConfig) -> set[int]:
+    """The cores the router and engine replicas stay off: the bound cores of the engines the
+    config starts with, where the backend binds engine threads and ``replica_cpus`` is ``spare``
+    (an autoscaled pool's later replicas wrap round the same cores)."""
     if config.replica_cpus != "spare" or not BACKENDS[config.backend].pins_cpu_threads:
         return set()
-    return engines_cpus(spec.env for spec in specs)
+    envs = []
+    for role in ("prefill", "decode") if config.has_prefill() else ("decode",):
+        group: EngineGroupConfig = getattr(config, role)
+        ncores = max(1, os.cpu_count() or 1)
+        for rank in range(group.initial_replicas):
+            env = {"VLLM_CPU_OMP_THREADS_BIND": _thread_binding(group.cpu_bind, rank, pool_offset(config, role) + rank, ncores)}
+            env.update(group.env)
+            envs.append(env)
+    return engines_cpus(envs)
 
 
 def _resources(config: AppConfig, backend: Backend, role: Role, group: EngineGroupConfig) -> dict[str, float]:
@@ -266,7 +332,7 @@ def _resources(config: AppConfig, backend: Backend, role: Role, group: EngineGro
 
 def _thread_binding(cpu_bind: str | list[str], i: int, index: int, ncores: int) -> str:
     if isinstance(cpu_bind, list):
-        return cpu_bind[i]
+        return cpu_bind[i % len(cpu_bind)]  # ranks past the list (an autoscaled pool) wrap round it
     if cpu_bind == "nobind":
         return "nobind"
     # "auto": one core per engine, spread round-robin over the host, so two engines never pin the
@@ -305,7 +371,7 @@ def kv_transfer_enabled(config: AppConfig) -> bool:
     """Engines load the KV connector whenever prefill engines exist: a decode engine then serves
     both disaggregated attempts and colocated ones (the fallback), and a connector is idle for a
     request that carries no kv_transfer_params."""
-    return BACKENDS[config.backend].kv_connector is not None and config.prefill.replicas > 0
+    return BACKENDS[config.backend].kv_connector is not None and config.has_prefill()
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -348,7 +414,7 @@ def engine_notes(config: AppConfig, role: Role) -> tuple[str, ...]:
     return (
         f"decode.recompute is on but off for this engine: the {backend.name} backend's recompute scheduler "
         "(additional_config.recompute_scheduler_enable) needs a kv_transfer_config, which engines get only when "
-        "the app has prefill engines (prefill.replicas: 0 here); the engine preempts locally instead. "
+        "the app has prefill engines (prefill.num_replicas: 0 here); the engine preempts locally instead. "
         "Set decode.recompute: false to silence this",
     )
 

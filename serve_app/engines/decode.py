@@ -5,24 +5,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 from ray import serve
 
-from serve_app.engines.backends import EngineSpec
+from serve_app.engines.backends import EngineSpec, PoolSpec
 from serve_app.engines.metaserver import MetaserverRelay, with_relay
 from serve_app.engines.server import EngineServer
-from serve_app.protocol import EngineEvent, EngineRequest, KVReady
+from serve_app.protocol import MOVED, EngineEvent, EngineRequest, KVReady, TokenDelta
 
 
 @serve.deployment
 class Decode(EngineServer):
-    async def __init__(self, spec: EngineSpec) -> None:
-        await super().__init__(spec)
+    async def __init__(self, spec: EngineSpec | PoolSpec, drain_s: float = 0.0) -> None:
+        await super().__init__(spec, drain_s)
         self.relay = MetaserverRelay()
         await self.relay.start()
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+    async def generate(self, request: EngineRequest, replica: str | None = None) -> AsyncIterator[EngineEvent]:
+        self.pinned(replica)
+        self.calls_started = time.monotonic()
+        if self.draining:  # Serve is stopping this replica: the router resumes it on another
+            yield TokenDelta([], finish_reason="stop", stop_reason=MOVED)
+            return
+        last: float | None = None
+        # Closed with this generator, at once: its own close aborts the engine request.
+        async with contextlib.aclosing(self._generate(request)) as events:
+            async for event in events:
+                if isinstance(event, TokenDelta):
+                    # The gap between this stream's outputs: the autoscaler's decode latency signal.
+                    now = time.monotonic()
+                    if last is not None:
+                        self.latency.add(now, now - last)
+                    last = now
+                    if self.draining and event.finish_reason is None:
+                        # The stream ends here, with what it has; closing it frees its KV.
+                        yield dataclasses.replace(event, finish_reason="stop", stop_reason=MOVED)
+                        return
+                yield event
+
+    async def _generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             async for delta in self.runner.generate(request):
@@ -54,8 +78,9 @@ class Decode(EngineServer):
                 await next_delta  # retrieve its outcome, so no error is left unobserved
             await stream.aclose()
 
-    def __del__(self) -> None:
+    def _stop_now(self) -> None:
         relay = getattr(self, "relay", None)
         if relay is not None:
             relay.close()
-        super().__del__()
+        super()._stop_now()
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from ray import serve
 
 from serve_app.engines.server import EngineServer
@@ -19,17 +21,26 @@ class PrefillFailed(RuntimeError):
 
 @serve.deployment
 class Prefill(EngineServer):
-    async def run(self, request: EngineRequest) -> PrefillResult:
+    async def run(self, request: EngineRequest, replica: str | None = None) -> PrefillResult:
         """Run the prompt with ``max_tokens=1``. The connector pushes each layer's KV to the decode
         engine named in ``kv_transfer_params`` as it is computed; the one token sampled here is
         discarded (decode samples the first token itself). Raises ``PrefillFailed`` when the
         engine did not finish the prompt or the push broke, so the router need not wait for the
         decode engine's receive deadline to learn it."""
+        self.pinned(replica)
+        arrived = self.calls_started = time.monotonic()
+        tokens = len(request.prompt_token_ids)
+        self._prompt_tokens += tokens  # queued or computing: the autoscaler's prefill signal
         finish_reason = None
-        async for event in self.runner.generate(request):
-            if isinstance(event, EngineRejected):
-                raise PrefillFailed(f"{self.spec.name}: refused {request.request_id}: {event.message}")
-            finish_reason = event.finish_reason
+        try:
+            async for event in self.runner.generate(request):
+                if isinstance(event, EngineRejected):
+                    raise PrefillFailed(f"{self.spec.name}: refused {request.request_id}: {event.message}")
+                finish_reason = event.finish_reason
+        finally:
+            self._prompt_tokens -= tokens
+        now = time.monotonic()
+        self.latency.add(now, now - arrived)
         if finish_reason not in ("stop", "length"):
             raise PrefillFailed(f"{self.spec.name}: prefill of {request.request_id} ended with {finish_reason!r}")
         record = None

@@ -1,16 +1,24 @@
-"""What the prefill and decode deployments share: one engine, its stats, health and gauges."""
+"""What the prefill and decode deployments share: one engine, its stats, health and gauges, how
+it describes itself to the routers and reports its load to Serve's autoscaler, and its drain.
+
+Each role is one Serve deployment; each of its replicas owns one engine, named ``<role>-<rank>``
+after the rank Serve gives the replica. Calls that name a replica (``replica=<id>``, pinned by
+router/replica_router.py) are checked to have reached it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
+from serve_app import autoscaling
 from serve_app.cpu_placement import keep_off_engine_cores
-from serve_app.engines.backends import BACKENDS, EngineSpec, prepare_engine_environment
+from serve_app.engines.backends import BACKENDS, EngineSpec, PoolSpec, prepare_engine_environment
 from serve_app.engines.call_server import EngineCallServer
 from serve_app.engines.kv_endpoint import settle_kv_endpoint, side_channel_host
+from serve_app.engines.load_report import LatencyWindow
 from serve_app.engines.pacing import StreamPacer
 from serve_app.gc_heap import freeze_startup_heap
 from serve_app.logs import quiet_cancelled_requests, serve_log_file_kept, to_serve_logs
@@ -20,6 +28,26 @@ from serve_app.protocol import EngineStats, KVEndpoint
 logger = logging.getLogger("pd_serve.engine")
 
 GAUGE_INTERVAL_S = 1.0
+# How often a stopping replica checks whether its requests are gone.
+DRAIN_POLL_S = 0.05
+# A stopping replica stops once no call has come for this long and none is in progress: Serve
+# tells the routers that it is stopping only when it has stopped (Ray Serve 2.60), so calls keep
+# coming until each router has had one answered "moved" (decode) or they stop coming.
+DRAIN_QUIET_S = 1.0
+
+
+def replica_identity() -> tuple[int, str]:
+    """(rank, unique id) Serve gave this replica."""
+    from ray import serve
+
+    context = serve.get_replica_context()
+    rank = getattr(context, "rank", 0)
+    rank = getattr(rank, "rank", rank)
+    return int(rank or 0), context.replica_id.unique_id
+
+
+class WrongReplica(RuntimeError):
+    """A call pinned to another replica reached this one."""
 
 
 def make_runner(spec: EngineSpec, engine_kwargs: dict[str, Any], endpoint: KVEndpoint | None) -> Any:
@@ -39,10 +67,22 @@ def make_runner(spec: EngineSpec, engine_kwargs: dict[str, Any], endpoint: KVEnd
 class EngineServer:
     """Base of ``Prefill`` and ``Decode``: a Serve replica that owns exactly one engine."""
 
-    async def __init__(self, spec: EngineSpec) -> None:
+    async def __init__(self, spec: EngineSpec | PoolSpec, drain_s: float = 0.0) -> None:
         to_serve_logs()
         quiet_cancelled_requests()
+        self.replica_id: str | None = None
+        if isinstance(spec, PoolSpec):
+            rank, self.replica_id = replica_identity()
+            spec = spec.for_rank(rank, self.replica_id)
+            # This rank's own thread binding: the deployment's runtime_env holds rank 0's.
+            os.environ.update(spec.env)
         self.spec = spec
+        self.drain_s = drain_s
+        self.draining = False
+        self.calls_started = 0.0  # when the last engine call arrived
+        self._stopped = False
+        self._prompt_tokens = 0  # prefill: prompt tokens of the calls in progress
+        self.latency = LatencyWindow(autoscaling.LATENCY_WINDOW_S)  # prefill: TTFT share; decode: ITL
         backend = BACKENDS[spec.backend]
         prepare_engine_environment(backend, os.environ, spec.notes)
         listens = spec.role == "decode" or backend.prefill_listens
@@ -69,23 +109,59 @@ class EngineServer:
             self._metrics.kv_usage.set(stats.kv_usage, tags=self._tags)
             await asyncio.sleep(GAUGE_INTERVAL_S)
 
-    async def stats(self) -> EngineStats:
+    def pinned(self, replica: str | None) -> None:
+        """Refuse a call pinned to another replica: a routing bug must not go unnoticed."""
+        if replica is not None and self.replica_id is not None and replica != self.replica_id:
+            raise WrongReplica(f"a call for replica {replica} reached {self.replica_id}")
+
+    def record_replica_metadata(self) -> dict[str, Any]:
+        """What every router learns of this replica with Serve's list of running replicas
+        (router/membership.py): enough to call it at once, without a poll."""
+        call = self.call_server.endpoint if self.call_server is not None else None
+        kv = self.kv_endpoint
+        return {
+            "role": self.spec.role,
+            "name": self.spec.name,
+            "call_endpoint": {"url": call.url, "token": call.token} if call else None,
+            "kv_endpoint": {"engine_id": kv.engine_id, "host": kv.host, "port": kv.port} if kv else None,
+        }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """This engine's load, as Serve custom autoscaling metrics (serve_app/autoscaling.py).
+        On the replica's event loop, where the latencies are recorded (Serve would run a plain
+        method in a thread)."""
+        stats = self.runner.stats()
+        metrics = {
+            autoscaling.RUNNING: float(stats.num_running),
+            autoscaling.WAITING: float(stats.num_waiting),
+            autoscaling.KV_USAGE: float(stats.kv_usage),
+            autoscaling.PROMPT_TOKENS: float(self._prompt_tokens),
+        }
+        p90 = self.latency.p90(time.monotonic())
+        metrics[autoscaling.TTFT_P90 if self.spec.role == "prefill" else autoscaling.ITL_P90] = p90
+        return metrics
+
+    async def stats(self, replica: str | None = None) -> EngineStats:
+        self.pinned(replica)
         stats = self.runner.stats()
         stats.kv_endpoint = self.kv_endpoint
         stats.call_endpoint = self.call_server.endpoint if self.call_server is not None else None
         return stats
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, replica: str | None = None) -> None:
+        self.pinned(replica)
         await self.runner.abort(request_id)
 
-    async def inspect(self, request_ids: list[str] | None = None) -> dict[str, Any]:
+    async def inspect(self, request_ids: list[str] | None = None, replica: str | None = None) -> dict[str, Any]:
         """What this engine did with recent requests (by attempt id): its own record (prompt
         tokens it did not compute, outcome) and its KV connector's transfer record."""
         requests = self.runner.requests
         transfers = self.runner.transfers()
         ids = request_ids if request_ids is not None else list(requests)
+        self.pinned(replica)
         return {
             "engine": self.spec.name,
+            "replica": self.replica_id,
             "pid": os.getpid(),
             "requests": {i: requests.get(i) for i in ids},
             "transfers": {i: transfers.get(i) for i in ids},
@@ -95,7 +171,48 @@ class EngineServer:
         """Serve's health check: a dead engine core restarts the replica."""
         await self.runner.check_health()
 
-    def __del__(self) -> None:
+    def __del__(self) -> Any:
+        """Serve calls this when it stops the replica, and awaits what this returns: the drain.
+        From here a decode replica ends each stream at its next output with stop_reason
+        ``moved`` (and answers new calls so at once), and the router resumes those requests on
+        another decode engine, token for token, and stops choosing this one; a prefill replica
+        finishes the pushes in progress. The engine stops once it holds no request and no call
+        has come for ``DRAIN_QUIET_S``, or after ``drain_s``. (The routers also move streams off
+        a replica as soon as Serve's list of running replicas drops it: router/pool.py.) Outside
+        a running loop (the process ending) it stops at once."""
+        if getattr(self, "_stopped", True) or getattr(self, "runner", None) is None:
+            self._stop_now()  # never fully started (or stopped already): nothing to wait for
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._stop_now()
+            return None
+        return self._drain_then_stop()
+
+    async def _drain_then_stop(self) -> None:
+        self.draining = True
+        started = time.monotonic()
+        deadline = started + self.drain_s
+        runner = self.runner
+        while time.monotonic() < deadline:
+            quiet = time.monotonic() - max(self.calls_started, started) >= DRAIN_QUIET_S
+            if quiet and runner.stats().inflight == 0:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = runner.stats().inflight
+        logger.info(
+            "engine %s drained in %.1fs%s",
+            self.spec.name,
+            time.monotonic() - started,
+            f"; {left} requests still held are aborted" if left else "",
+        )
+        self._stop_now()
+
+    def _stop_now(self) -> None:
+        if getattr(self, "_stopped", False):
+            return
+        self._stopped = True
         task = getattr(self, "_gauge_task", None)
         if task is not None:
             task.cancel()

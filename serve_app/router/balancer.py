@@ -30,6 +30,7 @@ class EngineLoad:
     kv_capacity_tokens: int = 0  # reported by the engine
     num_waiting: int = 0  # reported by the engine
     healthy: bool = False  # until its first stats answer: a starting engine takes no work
+    draining: bool = False  # Serve is stopping it: never chosen again
 
 
 ScoreFn = Callable[[EngineLoad], int]

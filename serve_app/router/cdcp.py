@@ -1,4 +1,4 @@
-"""One attempt of the decode-first (CDCP) schedule, executed through Serve handles.
+"""One attempt of the decode-first (CDCP) schedule, over the engines' own HTTP endpoints or Serve handles.
 
 Disaggregated (docs/design.md, "One attempt, decode first"):
   1. pick a decode engine and open its stream with ``do_remote_prefill``; its replica fills in
@@ -31,6 +31,7 @@ from typing import Any
 from serve_app.config import TimeoutsConfig
 from serve_app.logs import attempt_log_level
 from serve_app.metrics import RouterMetrics
+from serve_app.protocol import MOVED as MOVED_STOP
 from serve_app.protocol import EngineRejected, EngineRequest, KVEndpoint, KVReady, PrefillResult, Role, TokenDelta
 from serve_app.router.balancer import EngineLoad
 from serve_app.router.engine_client import EngineCallFailed, EngineUnreachable
@@ -119,6 +120,11 @@ def failure_of(role: str, exc: BaseException) -> tuple[str, str]:
 
 AttemptEvent = KVReadyEvent | PrefillDoneEvent | DeltaEvent | AttemptFailed
 
+# The kind of an AttemptFailed that is a move, not a failure: the decode engine is being stopped.
+MOVED = "moved"
+# What ``_read_stream`` returns when the decode engine left while the read waited.
+_LEFT = object()
+
 
 def engine_gone(exc: BaseException) -> bool:
     """Errors that mean the replica itself is gone (Serve restarts it), not a bad request."""
@@ -175,8 +181,9 @@ class AttemptExecutor:
             stream = self.pool.open_stream(decode.name, request)
             attempt = AttemptRun(self, plan, decode.name, stream, request_deadline)
             try:
-                async for event in attempt.events():
-                    yield event
+                with self.pool.watch(decode.name, attempt.decode_leaving):
+                    async for event in attempt.events():
+                        yield event
             finally:
                 await attempt.close()
 
@@ -211,11 +218,33 @@ class AttemptRun:
         self.phase = Phase.AWAITING_KV if plan.disaggregated else Phase.DECODING
         timeouts = executor.timeouts
         self.deadline: float | None = self.started + (timeouts.kv_ready_s if plan.disaggregated else timeouts.first_token_s)
+        # Set when Serve starts stopping the decode engine (the pool's ``watch``): the attempt
+        # ends at once, as a move, and the request resumes on another decode engine.
+        self.leaving = False
+        self._read_scope: asyncio.Timeout | None = None
+        self._left: asyncio.Future | None = None
+
+    def decode_leaving(self) -> None:
+        """The decode engine is leaving: wake whatever wait the attempt is in."""
+        self.leaving = True
+        if self._read_scope is not None and not self._read_scope.expired():
+            self._read_scope.reschedule(asyncio.get_running_loop().time())
+        if self._left is not None and not self._left.done():
+            self._left.set_result(None)
+
+    def _moved(self) -> AttemptFailed:
+        return AttemptFailed("the decode engine was stopped", True, self.decode, 503, MOVED)
 
     async def events(self) -> AsyncIterator[AttemptEvent]:
         while True:
+            if self.leaving:
+                yield self._moved()
+                return
             if self.prefill_task is None and self.next_item is None:
                 read = await self._read_stream()
+                if read is _LEFT:
+                    yield self._moved()
+                    return
                 if read is None:
                     yield self._timed_out()
                     return
@@ -224,10 +253,15 @@ class AttemptRun:
                 # first. The stream's read is a task of its own here, kept across iterations.
                 if self.next_item is None:
                     self.next_item = asyncio.ensure_future(self.stream.__anext__())
-                waiting: set[asyncio.Future] = {self.next_item}
+                if self._left is None:
+                    self._left = asyncio.get_running_loop().create_future()
+                waiting: set[asyncio.Future] = {self.next_item, self._left}
                 if self.prefill_task is not None:
                     waiting.add(self.prefill_task)
                 done, _ = await asyncio.wait(waiting, timeout=self._time_left(), return_when=asyncio.FIRST_COMPLETED)
+                if self.leaving:
+                    yield self._moved()
+                    return
                 if not done:
                     yield self._timed_out()
                     return
@@ -245,7 +279,7 @@ class AttemptRun:
                 if isinstance(event, AttemptFailed) or (isinstance(event, DeltaEvent) and event.delta.finish_reason):
                     return
 
-    async def _read_stream(self) -> tuple[Any, BaseException | None] | None:
+    async def _read_stream(self) -> tuple[Any, BaseException | None] | object | None:
         """The stream's next item, or the error that ended it; None once a deadline has passed.
 
         With no prefill call to race, the stream is read here, in the attempt's own task, not
@@ -254,18 +288,21 @@ class AttemptRun:
         without a turn of the event loop between them, so their chunks leave in one write
         (``service.sse_body`` lets the first one go alone). A cancellation (the client gone)
         goes through the read into the stream, as it went into the read's task; ``close``
-        cancels the stream either way."""
+        cancels the stream either way. The read's timeout scope is also how ``decode_leaving``
+        wakes it (``_LEFT``)."""
         left = self._time_left()
-        scope = None
         try:
-            if left is None:
-                return await self.stream.__anext__(), None
             async with asyncio.timeout(left) as scope:
+                self._read_scope = scope
                 return await self.stream.__anext__(), None
         except Exception as exc:  # StopAsyncIteration too: the stream ended
-            if scope is not None and scope.expired():
+            if self.leaving:
+                return _LEFT
+            if scope.expired():
                 return None
             return None, exc
+        finally:
+            self._read_scope = None
 
     def _time_left(self) -> float | None:
         """Seconds to the earlier of the phase's and the request's deadlines (None: no deadline)."""
@@ -328,6 +365,10 @@ class AttemptRun:
         elif isinstance(item, EngineRejected):
             yield AttemptFailed(item.message, False, self.decode, 400, "rejected")
         elif isinstance(item, TokenDelta):
+            if item.stop_reason == MOVED_STOP:
+                # The engine is being stopped (it says so before Serve's list does): choose it
+                # for nothing new.
+                self.executor.pool.drain(self.decode)
             yield DeltaEvent(item, self.decode)
             # Tokens flow; from here only the request's own deadline applies.
             if self.phase is not Phase.PREFILLING:
@@ -370,6 +411,8 @@ class AttemptRun:
     async def close(self) -> None:
         """Cancel whatever is still running; the engines abort and free those requests. Every
         cancelled wait is awaited, so no exception is left unretrieved (and logged) by asyncio."""
+        if self._left is not None and not self._left.done():
+            self._left.cancel()
         pending = [f for f in (self.next_item, self.prefill_task) if f is not None and not f.done()]
         for future in pending:
             future.cancel()

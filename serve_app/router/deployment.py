@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve_app.autoscaling import CLIENT_REQUESTS
 from serve_app.config import load_config
 from serve_app.cpu_placement import keep_off_engine_cores
 from serve_app.engines.backends import engine_specs
@@ -30,6 +31,8 @@ from serve_app.router.service import RouterService
 http_app = FastAPI(title="pd-serve", docs_url=None, redoc_url=None)
 
 STATUS_TIMEOUT_S = 2.0
+# What a stopping router replica leaves of graceful_shutdown_timeout_s for Serve's own steps.
+ROUTER_SHUTDOWN_MARGIN_S = 3.0
 
 
 # Module-level helpers sit above the class: serve.ingress pickles the class when it is decorated.
@@ -63,6 +66,7 @@ async def deployment_status() -> dict[str, str]:
 
 
 def build_service(config: dict[str, Any], engines: dict[str, Any]) -> RouterService:
+    """The service over the engine pools: ``engines`` holds each role's deployment handle."""
     from transformers import AutoConfig, AutoTokenizer
 
     app_config = load_config(config)
@@ -71,14 +75,16 @@ def build_service(config: dict[str, Any], engines: dict[str, Any]) -> RouterServ
         vocab_size = int(AutoConfig.from_pretrained(app_config.model).vocab_size)
     except Exception:
         vocab_size = len(tokenizer)
-    roles = {spec.name: spec.role for spec in engine_specs(app_config)}
+    transport = app_config.router.engine_transport
     service = RouterService(
         app_config,
-        {name: (roles[name], engine_handle(handle, app_config.router.engine_transport)) for name, handle in engines.items()},
+        {},
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         metrics=router_metrics(),
         replica_id=_replica_id(),
+        pools={role: (engine_handle(handle, transport), handle) for role, handle in engines.items()},
+        app_name=serve.get_replica_context().app_name,
     )
     service.engine_status = deployment_status  # type: ignore[method-assign]
     return service
@@ -97,12 +103,13 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 @serve.deployment
 @serve.ingress(http_app)
 class Router:
-    async def __init__(self, config: dict[str, Any], engines: dict[str, Any]) -> None:
+    async def __init__(self, config: dict[str, Any], engines: dict[str, Any], engines_cores: list[int] | None = None) -> None:
         to_serve_logs()
         quiet_cancelled_requests()
         self.service = build_service(config, engines)
         # Off the cores the engines' threads are bound to, where the host has others.
-        keep_off_engine_cores(set(engine_specs(self.service.config)[0].engines_cores), "router replica")
+        cores = engines_cores if engines_cores is not None else engine_specs(self.service.config)[0].engines_cores
+        keep_off_engine_cores(set(cores), "router replica")
         self.service.warm_up()
         self.service.start()
         http = self.service.config.router.http
@@ -143,10 +150,34 @@ class Router:
     async def engine_snapshot(self, refresh: bool = True) -> dict[str, Any]:
         return await self.service.engine_snapshot(refresh)
 
-    def __del__(self) -> None:
-        service = getattr(self, "service", None)
-        if service is not None:
-            service.stop()
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Client requests in progress on this replica: over its own HTTP server too, which
+        Serve's default signal does not see (serve_app/autoscaling.py)."""
+        return {CLIENT_REQUESTS: float(self.service.inflight)}
+
+    def __del__(self) -> Any:
+        """Serve calls this when it stops the replica (a downscale, a redeploy) and awaits what it
+        returns: the HTTP server stops accepting and closes idle connections, the responses in
+        progress finish (uvicorn's graceful shutdown), up to the router's drain time; then the
+        service stops. Outside a running loop (the process ending) everything stops at once."""
         http = getattr(self, "http", None)
         if http is not None:
             http.close()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._stop_service()
+            return None
+        return self._drain()
+
+    async def _drain(self) -> None:
+        http = getattr(self, "http", None)
+        if http is not None:
+            drain_s = self.service.config.router.graceful_shutdown_timeout_s - ROUTER_SHUTDOWN_MARGIN_S
+            await http.stop(timeout_s=max(0.0, drain_s))
+        self._stop_service()
+
+    def _stop_service(self) -> None:
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.stop()

@@ -1,27 +1,68 @@
-"""The router's engines: their handles, its own load counters on them, and their health.
+"""The router's engines: who they are, its own load counters on them, and their health.
+
+Engines are *members*. Under Serve, each role is one deployment and its replicas join and leave
+as Serve starts and stops them (``join``/``leave``, fed by router/membership.py); a member is
+called through the role's handle with the replica's id pinned (router/replica_router.py), or over
+its own HTTP endpoint. A replica that joins is chosen at once: Serve lists it only once its
+constructor has returned (its engine is up). Outside Serve (the in-process tests) members are given at construction,
+one handle each.
 
 Counters are changed only through ``lease`` (a context manager), so every path out of an attempt
-(success, error, retry, timeout, client disconnect) gives back exactly what it took.
+(success, error, retry, timeout, client disconnect) gives back exactly what it took. A member
+that leaves while leases are held is *draining*: chosen for nothing new, forgotten when its last
+lease ends; the attempts streaming from a draining decode engine are told to move
+(``watch``), and resume elsewhere through the recompute path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.protocol import EngineCallEndpoint, EngineRequest, EngineStats, KVEndpoint, Role
 from serve_app.router.balancer import EngineLoad, ScoreFn, decode_score, prefill_score, select
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.leak_audit import LeakAudit
+from serve_app.router.membership import ReplicaInfo, diff
 
 logger = logging.getLogger("pd_serve.router")
 
 SCORES: dict[Role, ScoreFn] = {"decode": decode_score, "prefill": prefill_score}
+
+
+def _outside_request(remote: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``remote(*args, **kwargs)`` (a handle call) as if made outside any Serve request. A call
+    made while this replica serves a handle request (the handle API, ``engine_snapshot``) takes
+    that request's context with it, and pinned calls made so to an engine pool did not answer
+    (Ray Serve 2.60; unpinned calls to single-replica deployments did): the engine call is its
+    own request, not part of the client's."""
+    return contextvars.Context().run(remote, *args, **kwargs)
+
+
+@dataclass
+class Member:
+    """One engine: how to call it, and who to tell when it leaves."""
+
+    name: str
+    role: Role
+    handle: Any  # unary calls
+    stream_handle: Any  # streaming calls
+    stats_handle: Any = None  # stats polls (default: ``handle``)
+    replica_id: str | None = None  # Serve's replica id, pinned on every handle call; None: the handle is the engine's own
+    call_endpoint: EngineCallEndpoint | None = None  # from its metadata (Serve), else from its stats
+    kv_endpoint: KVEndpoint | None = None
+    watchers: set[Callable[[], None]] = field(default_factory=set)
+
+    @property
+    def pin(self) -> dict[str, str]:
+        return {"replica": self.replica_id} if self.replica_id is not None else {}
 
 
 class EnginePool:
@@ -32,35 +73,131 @@ class EnginePool:
         audit: LeakAudit | None = None,
         client: EngineClient | None = None,
     ) -> None:
-        self.handles: dict[str, Any] = {name: handle for name, (_, handle) in engines.items()}
-        # Streaming variants, made once: every attempt opens a stream on one of them.
-        self.stream_handles: dict[str, Any] = {name: handle.options(stream=True) for name, handle in self.handles.items()}
-        self.loads: dict[str, EngineLoad] = {name: EngineLoad(name=name, role=role) for name, (role, _) in engines.items()}
+        self.members: dict[str, Member] = {}
+        self.loads: dict[str, EngineLoad] = {}
+        for name, (role, handle) in engines.items():
+            self._add(Member(name=name, role=role, handle=handle, stream_handle=handle.options(stream=True)))
         self.stats_timeout_s = stats_timeout_s
         self.reported: dict[str, EngineStats] = {}
         self.audit = audit
         self._turn = itertools.count()
-        # router.engine_transport: http; calls then go to an engine's own endpoint once its stats
-        # have named one, through its Serve handle before.
+        # router.engine_transport: http; calls then go to an engine's own endpoint once known,
+        # through its Serve handle before.
         self.client = client
+        self._by_replica: dict[str, str] = {}  # Serve replica id -> member name
+        self._pool_handles: dict[Role, tuple[Any, Any]] = {}
+        self.on_joined: Callable[[str], None] | None = None
 
+    # ------------------------------------------------------------------ membership
+    def attach(self, role: Role, handle: Any, stats_handle: Any = None) -> None:
+        """The deployment handle of ``role``'s pool (its replicas join through ``update``), and
+        the one its stats polls go through (default: the same). Serve's gRPC transport carries
+        the engine calls well, but a pinned unary poll through it did not answer inside the
+        router replica (Ray Serve 2.60): polls then take Serve's default transport."""
+        self._pool_handles[role] = (handle, handle.options(stream=True), stats_handle if stats_handle is not None else handle)
+
+    def update(self, role: Role, running: list[ReplicaInfo]) -> None:
+        """Serve's latest list of ``role``'s running replicas: members join and leave."""
+        known = {rid: self._info(name) for rid, name in self._by_replica.items() if self.members[name].role == role}
+        change = diff(known, [r for r in running if r.role == role])
+        for replica_id in change.left:
+            self.leave(replica_id)
+        for info in change.joined:
+            self.join(info)
+
+    def _info(self, name: str) -> ReplicaInfo:
+        m = self.members[name]
+        return ReplicaInfo(replica_id=m.replica_id or name, role=m.role, name=name)
+
+    def join(self, info: ReplicaInfo) -> str:
+        handle, stream_handle, stats_handle = self._pool_handles[info.role]
+        name = info.name if info.name not in self.members else f"{info.name}.{info.replica_id[:8]}"
+        member = Member(
+            name=name,
+            role=info.role,
+            handle=handle,
+            stream_handle=stream_handle,
+            stats_handle=stats_handle,
+            replica_id=info.replica_id,
+            call_endpoint=info.call_endpoint,
+            kv_endpoint=info.kv_endpoint,
+        )
+        self._add(member)
+        # Serve lists a replica once its constructor has returned: its engine is up and its
+        # endpoints are in its metadata, so it takes work now; its first stats poll follows.
+        self.loads[name].healthy = True
+        self._by_replica[info.replica_id] = name
+        logger.info("engine %s (%s replica %s) joined", name, info.role, info.replica_id)
+        if self.on_joined is not None:
+            self.on_joined(name)
+        return name
+
+    def leave(self, replica_id: str) -> None:
+        """Serve is stopping this replica: choose it for nothing new, move its decode streams."""
+        name = self._by_replica.pop(replica_id, None)
+        if name is not None:
+            self.drain(name)
+
+    def drain(self, name: str) -> None:
+        """The engine ``name`` is leaving: it takes nothing new; attempts streaming from it are
+        told (``watch``); it is forgotten once this router holds nothing on it."""
+        load = self.loads.get(name)
+        if load is None or load.draining:
+            return
+        load.healthy = False
+        load.draining = True
+        member = self.members[name]
+        logger.info("engine %s (%s) is leaving: %d requests of this router on it", name, member.role, load.inflight)
+        for watcher in list(member.watchers):
+            watcher()
+        if load.inflight == 0:
+            self._forget(name)
+
+    def _add(self, member: Member) -> None:
+        self.members[member.name] = member
+        self.loads[member.name] = EngineLoad(name=member.name, role=member.role)
+
+    def _forget(self, name: str) -> None:
+        self.members.pop(name, None)
+        self.loads.pop(name, None)
+        self.reported.pop(name, None)
+
+    @contextmanager
+    def watch(self, name: str, on_leave: Callable[[], None]) -> Iterator[None]:
+        """Call ``on_leave`` if the engine leaves while the block runs."""
+        member = self.members[name]
+        member.watchers.add(on_leave)
+        try:
+            yield
+        finally:
+            member.watchers.discard(on_leave)
+
+    def draining(self, name: str) -> bool:
+        load = self.loads.get(name)
+        return load is None or load.draining
+
+    # ------------------------------------------------------------------ calls
     def open_stream(self, name: str, request: EngineRequest) -> Any:
         """Start a decode attempt's stream: ``__anext__`` for its events, ``cancel`` to end it."""
         endpoint = self._call_endpoint(name)
         if self.client is not None and endpoint is not None:
             return self.client.stream(endpoint, request)
-        return self.stream_handles[name].generate.remote(request)
+        member = self.members[name]
+        return _outside_request(member.stream_handle.generate.remote, request, **member.pin)
 
     def start_prefill(self, name: str, request: EngineRequest) -> Any:
         """Start a prefill call: await it for its ``PrefillResult``, ``cancel`` to abort it."""
         endpoint = self._call_endpoint(name)
         if self.client is not None and endpoint is not None:
             return self.client.call(endpoint, request)
-        return self.handles[name].run.remote(request)
+        member = self.members[name]
+        return _outside_request(member.handle.run.remote, request, **member.pin)
 
     def _call_endpoint(self, name: str) -> EngineCallEndpoint | None:
         reported = self.reported.get(name)
-        return reported.call_endpoint if reported is not None else None
+        if reported is not None and reported.call_endpoint is not None:
+            return reported.call_endpoint
+        return self.members[name].call_endpoint
 
     def of_role(self, role: Role) -> list[EngineLoad]:
         return [load for load in self.loads.values() if load.role == role]
@@ -81,21 +218,32 @@ class EnginePool:
         finally:
             load.reserved_tokens -= tokens
             load.inflight -= 1
+            if load.draining and load.inflight == 0 and self.loads.get(name) is load:
+                self._forget(name)
 
     def kv_endpoint(self, name: str) -> KVEndpoint | None:
-        """Where the engine last said its KV side channel is."""
+        """Where the engine said its KV side channel is."""
         reported = self.reported.get(name)
-        return reported.kv_endpoint if reported is not None else None
+        if reported is not None and reported.kv_endpoint is not None:
+            return reported.kv_endpoint
+        member = self.members.get(name)
+        return member.kv_endpoint if member is not None else None
 
     def mark_unhealthy(self, name: str) -> None:
         """Stop choosing an engine that just failed a call, until its stats answer again."""
-        self.loads[name].healthy = False
+        load = self.loads.get(name)
+        if load is not None:
+            load.healthy = False
 
-    async def refresh(self) -> None:
-        names = list(self.handles)
+    # ------------------------------------------------------------------ stats
+    async def refresh(self, names: list[str] | None = None) -> None:
+        if names is None:
+            names = [name for name, load in self.loads.items() if not load.draining]
         results = await asyncio.gather(*(self._stats(name) for name in names), return_exceptions=True)
         for name, result in zip(names, results):
-            load = self.loads[name]
+            load = self.loads.get(name)
+            if load is None or load.draining:  # left while its stats were on the way
+                continue
             if isinstance(result, BaseException):
                 if load.healthy:
                     logger.warning("engine %s unreachable: %r", name, result)
@@ -110,11 +258,24 @@ class EnginePool:
                 self.audit.check(name, load.inflight, result)
 
     async def _stats(self, name: str) -> EngineStats:
-        return await asyncio.wait_for(self.handles[name].stats.remote(), self.stats_timeout_s)
+        member = self.members[name]
+        handle = member.stats_handle if member.stats_handle is not None else member.handle
+        return await asyncio.wait_for(_outside_request(handle.stats.remote, **member.pin), self.stats_timeout_s)
+
+    async def discover(self) -> None:
+        """Make each pool's handle start its request router (Serve starts it at the first call),
+        which then sends its replica list: one call that names no replica."""
+        for role, (_, _, handle) in self._pool_handles.items():
+            if not any(load.role == role for load in self.loads.values()):
+                try:
+                    await asyncio.wait_for(_outside_request(handle.stats.remote), self.stats_timeout_s)
+                except Exception as exc:  # no replica yet (starting): the next round asks again
+                    logger.debug("discovery call to the %s pool: %r", role, exc)
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
             try:
+                await self.discover()
                 await self.refresh()
             except Exception:  # never let the poller die; the next round tries again
                 logger.exception("engine stats poll failed")
@@ -125,9 +286,14 @@ class EnginePool:
         out: dict[str, dict[str, Any]] = {}
         for name, load in self.loads.items():
             reported = self.reported.get(name)
+            member = self.members[name]
+            kv_endpoint = self.kv_endpoint(name)
+            call_endpoint = self._call_endpoint(name)
             out[name] = {
                 "role": load.role,
                 "healthy": load.healthy,
+                "draining": load.draining,
+                "replica": member.replica_id,
                 "router_inflight": load.inflight,
                 "router_reserved_tokens": load.reserved_tokens,
                 "engine_inflight": reported.inflight if reported else None,
@@ -135,9 +301,9 @@ class EnginePool:
                 "engine_waiting": reported.num_waiting if reported else None,
                 "kv_usage": reported.kv_usage if reported else None,
                 "kv_capacity_tokens": reported.kv_capacity_tokens if reported else None,
-                "kv_endpoint": dataclasses.asdict(reported.kv_endpoint) if reported and reported.kv_endpoint else None,
+                "kv_endpoint": dataclasses.asdict(kv_endpoint) if kv_endpoint else None,
                 # Its URL only: the token stays between the engine and the routers.
-                "call_endpoint": reported.call_endpoint.url if reported and reported.call_endpoint else None,
+                "call_endpoint": call_endpoint.url if call_endpoint else None,
                 "extra": reported.extra if reported else {},
             }
         return out

@@ -19,9 +19,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from serve_app.protocol import RECOMPUTED, TokenDelta, TokenLogprob
+from serve_app.protocol import MOVED, RECOMPUTED, TokenDelta, TokenLogprob
 from serve_app.router.text import StopMatcher, TextStream
 
+# Attempts that ended because their decode engine was being stopped (a pool shrinking, a
+# redeploy) do not count against max_attempts, up to this many: a move is not a failure.
+MAX_FREE_MOVES = 8
 # Finish reasons of an engine request that mean "this attempt failed", not "the response ended".
 RETRYABLE_FINISH_REASONS = frozenset({"abort", "error"})
 
@@ -78,6 +81,7 @@ class Step:
     emission: Emission
     wasted_tokens: int = 0  # tokens whose KV an ended attempt threw away (prompt + its output)
     recomputed: bool = False  # the attempt ended because its decode engine recomputed
+    moved: bool = False  # ... because its decode engine is being stopped
 
 
 class RecomputeStateMachine:
@@ -116,6 +120,7 @@ class RecomputeStateMachine:
         self.error: str | None = None
         self.current: AttemptPlan | None = None
         self.recomputes = 0
+        self.moves = 0  # attempts ended by their decode engine's drain
         self.wasted_tokens = 0
         self._attempt_tokens = 0
         self._last_engine: str | None = None
@@ -124,6 +129,11 @@ class RecomputeStateMachine:
     @property
     def remaining(self) -> int:
         return self.max_tokens - len(self.output_token_ids)
+
+    @property
+    def counted_attempts(self) -> int:
+        """Attempts that count against max_attempts: all but the first few moves."""
+        return self.attempts - min(self.moves, MAX_FREE_MOVES)
 
     @property
     def finished(self) -> bool:
@@ -141,7 +151,7 @@ class RecomputeStateMachine:
     def start_attempt(self, disaggregated: bool) -> AttemptPlan:
         """dispatch -> awaiting_kv (disaggregated) or decoding (colocated)."""
         self._expect(Phase.DISPATCH)
-        assert self.remaining > 0 and self.attempts < self.max_attempts
+        assert self.remaining > 0 and self.counted_attempts < self.max_attempts
         self.attempts += 1
         self._attempt_tokens = 0
         avoid = frozenset({self._last_engine}) if self._last_engine else frozenset()
@@ -204,14 +214,25 @@ class RecomputeStateMachine:
             step = self._retry_or_fail(emission, "recomputed by the decode engine")
             step.recomputed = True
             return step
+        if delta.stop_reason == MOVED:
+            self.moves += 1
+            step = self._retry_or_fail(emission, "the decode engine was stopped")
+            step.moved = True
+            return step
         if delta.finish_reason in RETRYABLE_FINISH_REASONS:
             return self._retry_or_fail(emission, f"engine finished the attempt with '{delta.finish_reason}'")
         return self._finish(emission, delta.finish_reason, delta.stop_reason, flush=True)
 
-    def on_attempt_failed(self, reason: str, retryable: bool = True, engine: str | None = None, status: int = 500) -> Step:
-        """The attempt broke outside the token stream (dead replica, prefill error, deadline)."""
+    def on_attempt_failed(
+        self, reason: str, retryable: bool = True, engine: str | None = None, status: int = 500, moved: bool = False
+    ) -> Step:
+        """The attempt broke outside the token stream (dead replica, prefill error, deadline), or
+        its decode engine is being stopped (``moved``): the request resumes elsewhere with the
+        tokens it has, as after a recompute."""
         if self.phase is Phase.FINISHED:
             return Step(Action.FINISH, Emission())
+        if moved:
+            self.moves += 1
         if engine is not None:
             self._last_engine = engine
         if not retryable:
@@ -232,7 +253,7 @@ class RecomputeStateMachine:
             step = self._finish(emission, "length", None, flush=True)
             step.wasted_tokens = wasted
             return step
-        if self.attempts >= self.max_attempts:
+        if self.counted_attempts >= self.max_attempts:
             step = self._fail(emission, f"gave up after {self.attempts} attempts (last: {reason})", status)
             step.wasted_tokens = wasted
             return step

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -30,6 +31,7 @@ from serve_app.router.engine_client import EngineClient
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
 from serve_app.router.framing import SSE_DONE, sse
 from serve_app.router.leak_audit import Discrepancy, LeakAudit
+from serve_app.router.membership import MEMBERSHIP
 from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
 from serve_app.router.pool import EnginePool
 from serve_app.router.session import ResponseSession
@@ -45,7 +47,17 @@ OFFLOAD_BYTES = 64 * 1024
 # this length are long bodies anyway.
 OFFLOAD_MESSAGES = 64
 PUBLIC_ENGINE_FIELDS = frozenset(
-    {"role", "healthy", "router_inflight", "router_reserved_tokens", "engine_inflight", "engine_running", "engine_waiting", "kv_usage"}
+    {
+        "role",
+        "healthy",
+        "draining",
+        "router_inflight",
+        "router_reserved_tokens",
+        "engine_inflight",
+        "engine_running",
+        "engine_waiting",
+        "kv_usage",
+    }
 )
 
 
@@ -132,7 +144,12 @@ class RouterService:
         vocab_size: int,
         metrics: RouterMetrics,
         replica_id: str = "router",
+        pools: dict[Role, tuple[Any, Any]] | None = None,
+        app_name: str = "",
     ) -> None:
+        """``engines``: engines given by name, one handle each (the in-process tests); ``pools``:
+        each role's deployment handles (for calls, for stats polls), whose replicas join and leave
+        as Serve runs them."""
         self.config = config
         self.tokenizer = tokenizer
         self.ctx = ModelContext(
@@ -146,15 +163,19 @@ class RouterService:
         self.metrics = metrics
         audit = LeakAudit(
             warn_after_s=config.router.leak_warn_after_s,
-            sole_router=config.router.num_replicas == 1,
+            sole_router=not config.router.autoscaled and config.router.initial_replicas == 1,
             report=self._report_leaks,
         )
         self.pool = EnginePool(engines, audit=audit, client=EngineClient() if config.router.engine_transport == "http" else None)
+        self.pools = pools or {}
+        self.app_name = app_name
+        self._unsubscribe: list[Callable[[], None]] = []
         self.executor = AttemptExecutor(self.pool, config.router.timeouts, metrics, BACKENDS[config.backend].kv_ready_checks)
         self.replica_id = replica_id
         self.inflight = 0
         self._token_texts: dict[int, str] = {}
         self._poller: asyncio.Task | None = None
+        self._joined: set[asyncio.Task] = set()  # first stats polls of joining replicas
 
     def warm_up(self) -> None:
         """Load, at start, what the first request would otherwise wait for: vLLM's protocol
@@ -170,10 +191,25 @@ class RouterService:
         self.models()
 
     def start(self) -> None:
-        """Poll the engines' stats in the background (the balancer's load and health)."""
-        self._poller = asyncio.get_running_loop().create_task(self.pool.poll_forever(self.config.router.stats_interval_s))
+        """Follow the pools' membership, and poll the engines' stats in the background (the
+        balancer's load and health); a replica that joins is polled at once, so it takes work
+        as soon as its first stats answer."""
+        loop = asyncio.get_running_loop()
+        def poll_joined(name: str) -> None:
+            task = loop.create_task(self.pool.refresh([name]))
+            self._joined.add(task)
+            task.add_done_callback(self._joined.discard)
+
+        self.pool.on_joined = poll_joined
+        for role, handles in self.pools.items():
+            self.pool.attach(role, *handles)
+            self._unsubscribe.append(MEMBERSHIP.subscribe(self.app_name, role, functools.partial(self.pool.update, role)))
+        self._poller = loop.create_task(self.pool.poll_forever(self.config.router.stats_interval_s))
 
     def stop(self) -> None:
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self._unsubscribe.clear()
         if self._poller is not None:
             self._poller.cancel()
         if self.pool.client is not None:
@@ -230,7 +266,7 @@ class RouterService:
             reasons = await self.engine_status()
         except Exception as exc:  # the status is a courtesy: never let it fail the health check
             reasons = {"status": f"unavailable ({exc!r})"}
-        details = "; ".join(f"{name}: {why}" for name, why in reasons.items() if name in self.pool.loads or name == "status")
+        details = "; ".join(f"{name}: {why}" for name, why in reasons.items() if name in ("prefill", "decode", "status"))
         return JSONResponse(error_body(f"{message} ({details})" if details else message, 503), 503)
 
     async def engine_status(self) -> dict[str, str]:

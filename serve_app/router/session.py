@@ -14,7 +14,7 @@ from typing import Any
 
 from serve_app.logs import attempt_log_level
 from serve_app.metrics import RouterMetrics
-from serve_app.router.cdcp import AttemptExecutor, AttemptFailed, DeltaEvent, KVReadyEvent, PrefillDoneEvent
+from serve_app.router.cdcp import MOVED, AttemptExecutor, AttemptFailed, DeltaEvent, KVReadyEvent, PrefillDoneEvent
 from serve_app.router.engine_client import one_line
 from serve_app.router.errors import error_body
 from serve_app.router.framing import ResponseFramer
@@ -171,8 +171,14 @@ class ResponseSession:
             return None
         if isinstance(event, DeltaEvent):
             self._engines.setdefault(event.engine, None)
-            return machine.on_delta(event.delta, event.engine)
+            step = machine.on_delta(event.delta, event.engine)
+            if step.moved:
+                self._log_move(event.engine)
+            return step
         assert isinstance(event, AttemptFailed)
+        if event.kind == MOVED:  # not a failure: the request resumes on another decode engine
+            self._log_move(event.engine)
+            return machine.on_attempt_failed(event.reason, True, event.engine, event.status, moved=True)
         self.metrics.errors.inc(tags={"kind": event.kind})
         # The log names the engine and the failure's detail (the operator's); the client, if this
         # ends its response, reads event.reason alone (cdcp.AttemptFailed).
@@ -186,6 +192,18 @@ class ResponseSession:
             extra={"pd_request": machine.request_id, "pd_engine": event.engine, "pd_error": event.kind},
         )
         return machine.on_attempt_failed(event.reason, event.retryable, event.engine, event.status)
+
+    def _log_move(self, engine: str | None) -> None:
+        machine = self.machine
+        self.metrics.moves.inc(tags={"engine": engine or ""})
+        logger.info(
+            "request %s attempt %d moves off %s (Serve is stopping it) with %d output tokens so far",
+            machine.request_id,
+            machine.attempts,
+            engine,
+            machine.completion_tokens,
+            extra={"pd_request": machine.request_id, "pd_engine": engine},
+        )
 
     def _note_outcome(self, attempt_id: str, step: Step) -> None:
         if step.recomputed:

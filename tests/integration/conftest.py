@@ -80,8 +80,10 @@ class DeployedApp:
 
         return serve.get_app_handle(self.name)
 
-    def snapshot(self) -> dict[str, Any]:
-        return self.handle.engine_snapshot.remote().result(timeout_s=30)
+    def snapshot(self, refresh: bool = True) -> dict[str, Any]:
+        """The router's view of its engines; ``refresh``: after polling every engine's stats
+        (else as it stands, e.g. to see whom the router knows, on a busy host)."""
+        return self.handle.engine_snapshot.remote(refresh).result(timeout_s=30)
 
 
 @pytest.fixture(scope="session")
@@ -157,8 +159,8 @@ def kv_pressure_args(decode_replicas: int) -> dict[str, Any]:
         "served_model_name": "tiny-llama",
         "max_model_len": 2048,
         "engine_kwargs": {"max_num_batched_tokens": 2048},
-        "prefill": {"replicas": 1, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 64 << 20}},
-        "decode": {"replicas": decode_replicas, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 17 * BLOCK_BYTES}},
+        "prefill": {"num_replicas": 1, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 64 << 20}},
+        "decode": {"num_replicas": decode_replicas, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 17 * BLOCK_BYTES}},
         "router": {
             "mode": "disaggregated",
             "num_cpus": 0.1,
@@ -248,14 +250,34 @@ def completion_ids(app: DeployedApp, prompt: Any, max_tokens: int = 12, **extra:
     return data["id"], data["choices"][0]["token_ids"]
 
 
-def engine_handles(app: DeployedApp, role: str) -> dict[str, Any]:
+class PinnedEngine:
+    """One engine replica of a pool, called through its role's deployment handle: every call
+    names the replica, which pd-serve's request router sends it to (router/replica_router.py)."""
+
+    def __init__(self, handle: Any, replica_id: str) -> None:
+        self._handle = handle
+        self.replica_id = replica_id
+
+    def options(self, **options: Any) -> PinnedEngine:
+        return PinnedEngine(self._handle.options(**options), self.replica_id)
+
+    def __getattr__(self, method: str) -> Any:
+        target, replica = getattr(self._handle, method), self.replica_id
+
+        class Method:
+            def remote(self, *args: Any, **kwargs: Any) -> Any:
+                return target.remote(*args, replica=replica, **kwargs)
+
+        return Method()
+
+
+def engine_handles(app: DeployedApp, role: str) -> dict[str, PinnedEngine]:
+    """The running engines of ``role``, by the name the router knows them by."""
     from ray import serve
 
-    from serve_app.config import load_config
-
-    config = load_config(app.args)
-    count = getattr(config, role).replicas
-    return {f"{role}-{i}": serve.get_deployment_handle(f"{role}-{i}", app.name) for i in range(count)}
+    handle = serve.get_deployment_handle(role, app.name)
+    engines = app.snapshot()["engines"]
+    return {name: PinnedEngine(handle, e["replica"]) for name, e in engines.items() if e["role"] == role and not e["draining"]}
 
 
 def inspect(app: DeployedApp, role: str, ids: list[str], skip: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
@@ -277,8 +299,8 @@ def wait_healthy(app: DeployedApp, timeout_s: float = 240) -> None:
 BASELINE_ARGS = {
     "served_model_name": "tiny-llama",
     "max_model_len": 2048,
-    "prefill": {"replicas": 0},
-    "decode": {"replicas": 1, "num_cpus": 0.1},
+    "prefill": {"num_replicas": 0},
+    "decode": {"num_replicas": 1, "num_cpus": 0.1},
     "router": {"mode": "colocated", "num_cpus": 0.05},
 }
 

@@ -37,8 +37,8 @@ ARGS = {
     "max_model_len": 2048,
     # One prefill step per prompt (no chunking), so "one push per layer" is exact.
     "engine_kwargs": {"kv_cache_memory_bytes": 64 << 20, "max_num_batched_tokens": 2048},
-    "prefill": {"replicas": 2, "num_cpus": 0.2},
-    "decode": {"replicas": 2, "num_cpus": 0.2},
+    "prefill": {"num_replicas": 2, "num_cpus": 0.2},
+    "decode": {"num_replicas": 2, "num_cpus": 0.2},
     "router": {
         "mode": "disaggregated",
         "num_cpus": 0.1,

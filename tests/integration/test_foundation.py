@@ -253,12 +253,17 @@ def test_metrics_exported_after_traffic(app, client, cluster):
 
 
 def _replica_processes(app_name: str) -> dict[str, psutil.Process]:
-    found = {}
+    """The app's replica processes: "router", and "prefill-0", "decode-0", ... (one deployment
+    per role; its replicas numbered here in the order found)."""
+    found: dict[str, psutil.Process] = {}
     for proc in psutil.process_iter(["cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        for role in ("router", "prefill-0", "decode-0"):
-            if f"ServeReplica:{app_name}:{role}" in cmd:
-                found[role] = proc
+        for deployment in ("router", "prefill", "decode"):
+            if f"ServeReplica:{app_name}:{deployment} " in cmd + " ":
+                if deployment == "router":
+                    found["router"] = proc
+                else:
+                    found[f"{deployment}-{sum(k.startswith(deployment) for k in found)}"] = proc
     return found
 
 

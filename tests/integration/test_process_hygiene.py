@@ -86,8 +86,8 @@ def test_a_busy_kv_port_is_replaced_by_a_free_one(cluster):
     logs = LogWatch()
     args = {
         "served_model_name": "tiny-llama",
-        "prefill": {"replicas": 1, "num_cpus": 0.1},
-        "decode": {"replicas": 1, "num_cpus": 0.1},
+        "prefill": {"num_replicas": 1, "num_cpus": 0.1},
+        "decode": {"num_replicas": 1, "num_cpus": 0.1},
         "router": {"mode": "disaggregated", "num_cpus": 0.05},
         "kv_port_base": busy - 16,  # prefill-0 gets busy - 16, decode-0 the busy port
     }

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.engine
 ARGS = {
     "served_model_name": "tiny-llama",
     "max_model_len": 2048,
-    "prefill": {"replicas": 1, "num_cpus": 0.1},
-    "decode": {"replicas": 1, "num_cpus": 0.1},
+    "prefill": {"num_replicas": 1, "num_cpus": 0.1},
+    "decode": {"num_replicas": 1, "num_cpus": 0.1},
     "router": {"mode": "colocated", "num_cpus": 0.05},
 }
 

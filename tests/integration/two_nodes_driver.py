@@ -62,14 +62,14 @@ def app_args(name: str, port: int, disaggregated: bool) -> dict[str, Any]:
         return {
             "served_model_name": MODEL,
             "kv_port_base": 36000,
-            "prefill": {"replicas": 1, "num_cpus": 0.1, "resources": {"pd_node1": 0.01}},
-            "decode": {"replicas": 2, "num_cpus": 0.1, "resources": {"pd_decode": 1}},
+            "prefill": {"num_replicas": 1, "num_cpus": 0.1, "resources": {"pd_node1": 0.01}},
+            "decode": {"num_replicas": 2, "num_cpus": 0.1, "resources": {"pd_decode": 1}},
             "router": {**router, "mode": "disaggregated", "max_attempts": 6},
         }
     return {
         "served_model_name": MODEL,
-        "prefill": {"replicas": 0},
-        "decode": {"replicas": 1, "num_cpus": 0.1, "resources": {"pd_node1": 0.01}},
+        "prefill": {"num_replicas": 0},
+        "decode": {"num_replicas": 1, "num_cpus": 0.1, "resources": {"pd_node1": 0.01}},
         "router": {**router, "mode": "colocated"},
     }
 
@@ -142,7 +142,7 @@ def main() -> None:
     # 1. Greedy output token-exact against colocated, KV pushed across the nodes.
     prompts = [token_pattern(n, seed) for seed, n in enumerate((40, 128, 129, 300, 700, 1000))]
     crossed = 0
-    prefill = serve.get_deployment_handle("prefill-0", "pd")
+    prefill = serve.get_deployment_handle("prefill", "pd")  # one replica: every call reaches it
     for prompt in prompts:
         response_id, got = tokens(pd, prompt, 24)
         _, want = tokens(ref, prompt, 24)

@@ -195,8 +195,8 @@ MOCK_ARGS: dict[str, Any] = {
     "backend": "mock",
     "served_model_name": "tiny-llama",
     "max_model_len": 2048,
-    "prefill": {"replicas": 1},
-    "decode": {"replicas": 2},
+    "prefill": {"num_replicas": 1},
+    "decode": {"num_replicas": 2},
     # Calls through the handle stand-ins, where faults are injected; tests/unit/test_engine_http.py
     # runs the same app over the engines' own HTTP endpoints (router.engine_transport: http).
     "router": {
@@ -249,7 +249,9 @@ class App:
                 await relay.stop()
             if engine.call_server is not None:
                 await engine.call_server.stop()
-            engine.__del__()
+            stopping = engine.__del__()  # as Serve does: awaits what it returns
+            if stopping is not None:
+                await stopping
 
     async def idle(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """Wait until nothing is held anywhere (router counters, engine requests, KV); fail with

@@ -38,7 +38,7 @@ def ascend_args() -> list[tuple[str, dict[str, Any]]]:
             if app["args"].get("backend") == "ascend":
                 out.append((path.name, app["args"]))
                 colocated = copy.deepcopy(app["args"])
-                colocated["prefill"] = {**colocated.get("prefill", {}), "replicas": 0}
+                colocated["prefill"] = {**colocated.get("prefill", {}), "num_replicas": 0}
                 colocated["router"] = {**colocated.get("router", {}), "mode": "colocated"}
                 out.append((f"{path.name}, colocated", colocated))
     return out

@@ -34,8 +34,8 @@ CONNECTOR = "vllm_ascend/distributed/kv_transfer/kv_p2p/mooncake_layerwise_conne
 ASCEND_ARGS = {
     "backend": "ascend",
     "model": "/models/Qwen3-8B",
-    "prefill": {"replicas": 1, "engine_kwargs": {"tensor_parallel_size": 4}},
-    "decode": {"replicas": 1, "engine_kwargs": {"tensor_parallel_size": 2}},
+    "prefill": {"num_replicas": 1, "engine_kwargs": {"tensor_parallel_size": 4}},
+    "decode": {"num_replicas": 1, "engine_kwargs": {"tensor_parallel_size": 2}},
 }
 
 
@@ -225,7 +225,7 @@ def ascend_cases() -> list[tuple[str, dict]]:
             if app["args"].get("backend") == "ascend":
                 cases.append((path.name, app["args"]))
                 colocated = copy.deepcopy(app["args"])
-                colocated["prefill"] = {**colocated.get("prefill", {}), "replicas": 0}
+                colocated["prefill"] = {**colocated.get("prefill", {}), "num_replicas": 0}
                 colocated["router"] = {**colocated.get("router", {}), "mode": "colocated"}
                 cases.append((f"{path.name}, colocated", colocated))
     return cases

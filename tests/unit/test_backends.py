@@ -8,7 +8,7 @@ import logging
 
 from serve_app.config import load_config
 from serve_app.engines.backends import ASCEND as ASCEND_BACKEND
-from serve_app.engines.backends import RECV_DEADLINE_MARGIN_S, engine_specs, prepare_engine_environment
+from serve_app.engines.backends import KV_PORT_STRIDE, RECV_DEADLINE_MARGIN_S, engine_specs, prepare_engine_environment
 from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
 
 
@@ -19,8 +19,8 @@ def specs_by_name(args):
 ASCEND = {
     "backend": "ascend",
     "model": "/models/Qwen3-8B",
-    "prefill": {"replicas": 2, "engine_kwargs": {"tensor_parallel_size": 4}},
-    "decode": {"replicas": 1, "engine_kwargs": {"tensor_parallel_size": 2}},
+    "prefill": {"num_replicas": 2, "engine_kwargs": {"tensor_parallel_size": 4}},
+    "decode": {"num_replicas": 1, "engine_kwargs": {"tensor_parallel_size": 2}},
 }
 
 
@@ -49,7 +49,7 @@ def test_ascend_decode_without_recompute():
     assert "additional_config" not in specs_by_name(args)["decode-0"].engine_kwargs
 
 
-COLOCATED_ASCEND = {**ASCEND, "prefill": {"replicas": 0}, "router": {"mode": "colocated"}}
+COLOCATED_ASCEND = {**ASCEND, "prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}}
 
 
 def test_colocated_ascend_decode_runs_without_recompute_and_says_why(caplog):
@@ -60,7 +60,7 @@ def test_colocated_ascend_decode_runs_without_recompute_and_says_why(caplog):
     decode = specs["decode-0"]
     assert "kv_transfer_config" not in decode.engine_kwargs and "additional_config" not in decode.engine_kwargs
     (note,) = decode.notes
-    assert "recompute_scheduler_enable" in note and "prefill.replicas: 0" in note and "decode.recompute: false" in note
+    assert "recompute_scheduler_enable" in note and "prefill.num_replicas: 0" in note and "decode.recompute: false" in note
     with caplog.at_level(logging.WARNING, logger="pd_serve.engine"):
         prepare_engine_environment(ASCEND_BACKEND, {}, decode.notes)
     assert [r.getMessage() for r in caplog.records] == [note]
@@ -69,7 +69,7 @@ def test_colocated_ascend_decode_runs_without_recompute_and_says_why(caplog):
     off = {**COLOCATED_ASCEND, "decode": {**ASCEND["decode"], "recompute": False}}
     assert not specs_by_name(off)["decode-0"].notes
     # The CPU backend's own scheduler needs no KV transfer config: it recomputes colocated too.
-    cpu = specs_by_name({"prefill": {"replicas": 0}, "router": {"mode": "colocated"}})["decode-0"]
+    cpu = specs_by_name({"prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}})["decode-0"]
     assert cpu.engine_kwargs["scheduler_cls"].endswith("RecomputeScheduler") and not cpu.notes
 
 
@@ -94,7 +94,7 @@ def test_ascend_replicas_ask_ray_for_one_npu_per_tensor_parallel_rank():
     assert specs["prefill-0"].resources == {"NPU": 4.0} and specs["prefill-1"].resources == {"NPU": 4.0}
     assert specs["decode-0"].resources == {"NPU": 2.0}
     # CPU and mock engines ask for CPUs only.
-    assert all(not s.resources for s in specs_by_name({"prefill": {"replicas": 1}}).values())
+    assert all(not s.resources for s in specs_by_name({"prefill": {"num_replicas": 1}}).values())
 
 
 def test_ascend_engines_carry_vllm_ascends_environment_and_the_groups_own():
@@ -131,7 +131,7 @@ def test_the_shipped_ascend_config_loads_and_builds_engines():
 
 
 def test_cpu_defaults_bound_the_kv_cache_and_bind_threads():
-    specs = specs_by_name({"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    specs = specs_by_name({"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}})
     for spec in specs.values():
         assert spec.engine_kwargs["kv_cache_memory_bytes"] > 0
         assert spec.engine_kwargs["enforce_eager"] is True
@@ -161,7 +161,7 @@ def test_engine_kwargs_precedence():
 
 
 def test_cpu_bind_list_and_nobind():
-    specs = specs_by_name({"decode": {"replicas": 2, "cpu_bind": ["1", "0"]}, "prefill": {"cpu_bind": "nobind"}})
+    specs = specs_by_name({"decode": {"num_replicas": 2, "cpu_bind": ["1", "0"]}, "prefill": {"cpu_bind": "nobind"}})
     assert specs["decode-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert specs["decode-1"].env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert specs["prefill-0"].env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
@@ -171,7 +171,7 @@ def test_cpu_bind_list_and_nobind():
 
 
 def test_cpu_engines_load_the_layerwise_connector_when_prefill_engines_exist():
-    specs = specs_by_name({"prefill": {"replicas": 1}, "decode": {"replicas": 2}})
+    specs = specs_by_name({"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 2}})
     prefill = specs["prefill-0"].engine_kwargs["kv_transfer_config"]
     decode = specs["decode-1"].engine_kwargs["kv_transfer_config"]
     assert prefill["kv_connector"] == decode["kv_connector"] == "LayerwisePushConnector"
@@ -180,7 +180,7 @@ def test_cpu_engines_load_the_layerwise_connector_when_prefill_engines_exist():
     assert decode["kv_port"] == specs["decode-1"].kv_port
     # The engine's name is its KV engine id: the router checks it in every KVReady.
     assert (prefill["engine_id"], decode["engine_id"]) == ("prefill-0", "decode-1")
-    colocated = specs_by_name({"prefill": {"replicas": 0}, "router": {"mode": "colocated"}})
+    colocated = specs_by_name({"prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}})
     assert "kv_transfer_config" not in colocated["decode-0"].engine_kwargs
 
 
@@ -200,7 +200,7 @@ def test_every_engine_process_gets_the_parent_watchdog():
 
 
 def test_cpu_decode_engines_use_the_recompute_scheduler():
-    specs = specs_by_name({"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    specs = specs_by_name({"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}})
     assert specs["decode-0"].engine_kwargs["scheduler_cls"] == "serve_app.kv.recompute_scheduler.RecomputeScheduler"
     assert "scheduler_cls" not in specs["prefill-0"].engine_kwargs
     off = specs_by_name({"decode": {"recompute": False}})
@@ -222,14 +222,14 @@ def test_decode_hands_either_connector_the_relay_as_metaserver():
         assert decode["kv_role"] == "kv_consumer"
 
 
-def test_the_app_hands_each_replicas_resources_and_environment_to_ray():
+def test_the_app_hands_each_roles_resources_and_environment_to_ray():
     from serve_app.app import build_app
 
     app = build_app(ASCEND)
     engines = app._bound_deployment.init_args[1]
     options = {name: e._bound_deployment.ray_actor_options for name, e in engines.items()}
-    assert options["prefill-0"]["resources"] == {"NPU": 4.0} and options["decode-0"]["resources"] == {"NPU": 2.0}
-    env = options["decode-0"]["runtime_env"]["env_vars"]
+    assert options["prefill"]["resources"] == {"NPU": 4.0} and options["decode"]["resources"] == {"NPU": 2.0}
+    env = options["decode"]["runtime_env"]["env_vars"]
     assert env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True" and "VLLM_CPU_OMP_THREADS_BIND" not in env
 
 
@@ -237,30 +237,30 @@ def test_placement_by_custom_resources_for_every_role():
     from serve_app.app import build_app
 
     args = {
-        "prefill": {"replicas": 1, "resources": {"pd_node1": 0.01}},
-        "decode": {"replicas": 2, "resources": {"pd_decode": 1}},
+        "prefill": {"num_replicas": 1, "resources": {"pd_node1": 0.01}},
+        "decode": {"num_replicas": 2, "resources": {"pd_decode": 1}},
         "router": {"resources": {"pd_node1": 0.01}},
     }
     app = build_app(args)
     router = app._bound_deployment
     engines = router.init_args[1]
     assert router.ray_actor_options["resources"] == {"pd_node1": 0.01}
-    assert engines["prefill-0"]._bound_deployment.ray_actor_options["resources"] == {"pd_node1": 0.01}
-    assert all(engines[f"decode-{i}"]._bound_deployment.ray_actor_options["resources"] == {"pd_decode": 1.0} for i in range(2))
+    assert engines["prefill"]._bound_deployment.ray_actor_options["resources"] == {"pd_node1": 0.01}
+    assert engines["decode"]._bound_deployment.ray_actor_options["resources"] == {"pd_decode": 1.0}
     # The default: CPUs only, Ray places engines wherever they fit.
-    default = build_app({"prefill": {"replicas": 1}})
+    default = build_app({"prefill": {"num_replicas": 1}})
     assert default._bound_deployment.ray_actor_options["resources"] == {}
     assert all(not e._bound_deployment.ray_actor_options["resources"] for e in default._bound_deployment.init_args[1].values())
 
 
 def test_mock_engines_get_no_cpu_placement_or_spin_settings():
-    for spec in specs_by_name({"backend": "mock", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}).values():
+    for spec in specs_by_name({"backend": "mock", "prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}}).values():
         assert "VLLM_CPU_OMP_THREADS_BIND" not in spec.env
         assert not any(k.startswith("PD_SERVE_ENGINE_") for k in spec.env)
 
 
 def test_replicas_keep_off_every_engines_cores_unless_told_otherwise():
-    two = {"prefill": {"replicas": 1, "cpu_bind": ["2-3"]}, "decode": {"replicas": 2, "cpu_bind": ["0", "nobind"]}}
+    two = {"prefill": {"num_replicas": 1, "cpu_bind": ["2-3"]}, "decode": {"num_replicas": 2, "cpu_bind": ["0", "nobind"]}}
     for spec in specs_by_name(two).values():
         assert spec.engines_cores == (0, 2, 3)  # the nobind engine holds no core
     for spec in specs_by_name({**two, "replica_cpus": "all"}).values():
@@ -273,7 +273,7 @@ def test_every_replica_logs_at_the_apps_log_level_and_encoding():
     from serve_app.app import build_app
 
     for args, level in (({}, "INFO"), ({"log_level": "DEBUG", "log_encoding": "JSON"}, "DEBUG")):
-        app = build_app({"prefill": {"replicas": 1}, **args})
+        app = build_app({"prefill": {"num_replicas": 1}, **args})
         router = app._bound_deployment
         configs = [router._deployment_config.logging_config] + [
             e._bound_deployment._deployment_config.logging_config for e in router.init_args[1].values()
@@ -281,3 +281,39 @@ def test_every_replica_logs_at_the_apps_log_level_and_encoding():
         assert len(configs) == 3
         for config in configs:
             assert config["log_level"] == level and config["encoding"] == args.get("log_encoding", "TEXT")
+
+
+def test_each_role_is_one_deployment_scaled_by_serve_and_routed_by_pd_serve():
+    """Pools: one deployment per role, Serve's own num_replicas / autoscaling_config, pd-serve's
+    request router on the engines (pinned calls, membership), and a drain within Serve's
+    graceful shutdown timeout."""
+    from serve_app.app import ENGINE_REQUEST_ROUTER, build_app
+
+    app = build_app(
+        {
+            "prefill": {"num_replicas": 2},
+            "decode": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 6}, "graceful_shutdown_timeout_s": 20},
+            "router": {"num_replicas": "auto"},
+        }
+    )
+    router = app._bound_deployment
+    engines = {role: e._bound_deployment for role, e in router.init_args[1].items()}
+    assert set(engines) == {"prefill", "decode"}
+    prefill, decode = engines["prefill"], engines["decode"]
+    assert prefill.num_replicas == 2 and prefill._deployment_config.autoscaling_config is None
+    scaling = decode._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas) == (1, 6)
+    assert scaling.policy.policy_function == "serve_app.autoscaling:DecodeLoadPolicy"
+    assert router._deployment_config.autoscaling_config.policy.policy_function == "serve_app.autoscaling:RouterLoadPolicy"
+    for deployment in engines.values():
+        config = deployment._deployment_config
+        assert config.request_router_config.request_router_class == ENGINE_REQUEST_ROUTER
+    assert decode._deployment_config.graceful_shutdown_timeout_s == 20
+    pool_spec, drain_s = decode.init_args
+    assert pool_spec.role == "decode" and 0 < drain_s < 20
+    # Each replica's own spec follows from its rank: name, KV port block, a unique KV engine id.
+    first, second = pool_spec.for_rank(0, "aaaa"), pool_spec.for_rank(1, "bbbb")
+    assert (first.name, second.name) == ("decode-0", "decode-1")
+    assert second.kv_port - first.kv_port == KV_PORT_STRIDE
+    ids = {spec.engine_kwargs["kv_transfer_config"]["engine_id"] for spec in (first, second)}
+    assert ids == {"decode-0-aaaa", "decode-1-bbbb"}

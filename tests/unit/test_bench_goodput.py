@@ -84,7 +84,7 @@ def test_distserve_goodput_is_the_highest_rate_with_enough_attainment(goodput):
 
 def test_every_target_uses_every_core_and_the_same_step_budget(goodput):
     colocated = goodput.app_args("colocated", chunk=256)
-    assert colocated["prefill"]["replicas"] == 0 and colocated["router"]["mode"] == "colocated"
+    assert colocated["prefill"]["num_replicas"] == 0 and colocated["router"]["mode"] == "colocated"
     assert colocated["decode"]["cpu_bind"] == ["0-1"]
     assert colocated["decode"]["engine_kwargs"]["max_num_batched_tokens"] == 256
     disaggregated = goodput.app_args("disaggregated", chunk=256)

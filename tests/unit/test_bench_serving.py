@@ -87,11 +87,11 @@ def test_the_host_speed_probes_time_work_that_scales(bench):
 
 
 def test_a_dotted_override_changes_one_nested_field_and_keeps_the_rest(bench):
-    args = {"prefill": {"replicas": 0, "num_cpus": 0.5}, "router": {"mode": "colocated"}}
+    args = {"prefill": {"num_replicas": 0, "num_cpus": 0.5}, "router": {"mode": "colocated"}}
     bench.set_arg(args, "prefill.env.PD_SERVE_ENGINE_CORE_BIND", "0")
     bench.set_arg(args, "replica_cpus", "all")
     assert args == {
-        "prefill": {"replicas": 0, "num_cpus": 0.5, "env": {"PD_SERVE_ENGINE_CORE_BIND": "0"}},
+        "prefill": {"num_replicas": 0, "num_cpus": 0.5, "env": {"PD_SERVE_ENGINE_CORE_BIND": "0"}},
         "router": {"mode": "colocated"},
         "replica_cpus": "all",
     }

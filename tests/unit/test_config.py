@@ -15,14 +15,14 @@ def test_serve_yaml_is_valid_and_explicit_about_cpus():
     assert config.backend == "cpu"
     for role in ("prefill", "decode", "router"):
         assert "num_cpus" in app["args"][role], f"{role} must set num_cpus explicitly"
-    assert config.prefill.replicas == 1 and config.decode.replicas == 1
+    assert config.prefill.initial_replicas == 1 and config.decode.initial_replicas == 1
 
 
 @pytest.mark.parametrize(
     "args,field",
     [
         ({"backend": "tpu"}, "backend"),
-        ({"prefill": {"replicas": -1}}, "prefill.replicas"),
+        ({"prefill": {"num_replicas": -1}}, "prefill.num_replicas"),
         ({"decode": {"engine_kwags": {}}}, "decode.engine_kwags"),
         ({"router": {"max_attempts": 0}}, "router.max_attempts"),
         ({"router": {"timeouts": {"kv_ready_s": 0}}}, "router.timeouts.kv_ready_s"),
@@ -40,11 +40,43 @@ def test_bad_config_names_the_field(args, field):
 
 
 def test_topology_checks():
-    with pytest.raises(ConfigError, match="decode.replicas"):
-        load_config({"decode": {"replicas": 0}})
+    with pytest.raises(ConfigError, match="decode needs at least 1 replica"):
+        load_config({"decode": {"num_replicas": 0}})
+    with pytest.raises(ConfigError, match="decode needs at least 1 replica"):
+        load_config({"decode": {"autoscaling_config": {"min_replicas": 0, "max_replicas": 2}}})
     with pytest.raises(ConfigError, match="disaggregated"):
-        load_config({"prefill": {"replicas": 0}, "router": {"mode": "disaggregated"}})
-    assert load_config({"prefill": {"replicas": 0}, "router": {"mode": "colocated"}}).prefill.replicas == 0
+        load_config({"prefill": {"num_replicas": 0}, "router": {"mode": "disaggregated"}})
+    assert load_config({"prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}}).prefill.num_replicas == 0
+
+
+def test_pools_take_serves_own_scaling_options():
+    """num_replicas (an int or auto) and autoscaling_config, checked by Ray Serve's own model;
+    the old key fails with a message naming the new one; a pool's default policy is pd-serve's."""
+    with pytest.raises(ConfigError, match="'replicas' is now 'num_replicas'"):
+        load_config({"decode": {"replicas": 2}})
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['max_replica'\]"):
+        load_config({"decode": {"autoscaling_config": {"max_replica": 3}}})
+    with pytest.raises(ConfigError, match="max_replicas"):
+        load_config({"decode": {"autoscaling_config": {"min_replicas": 5, "max_replicas": 2}}})
+    with pytest.raises(ConfigError, match="not both"):
+        load_config({"decode": {"num_replicas": 2, "autoscaling_config": {"max_replicas": 3}}})
+    with pytest.raises(ConfigError, match="cannot import the policy"):
+        load_config({"decode": {"autoscaling_config": {"policy": {"policy_function": "nowhere:Policy"}}}})
+    with pytest.raises(ConfigError, match="prefill cannot autoscale"):
+        load_config({"prefill": {"num_replicas": "auto"}, "router": {"mode": "colocated"}})
+    config = load_config(
+        {"decode": {"num_replicas": "auto"}, "prefill": {"autoscaling_config": {"initial_replicas": 2, "max_replicas": 4}}}
+    )
+    assert config.decode.serve_options("serve_app.autoscaling:DecodeLoadPolicy") == {
+        "num_replicas": "auto",
+        "autoscaling_config": {"policy": {"policy_function": "serve_app.autoscaling:DecodeLoadPolicy"}},
+    }
+    assert config.prefill.initial_replicas == 2 and config.decode.initial_replicas == 1
+    own = {"policy_function": "serve_app.autoscaling:SLOPolicy", "policy_kwargs": {"ttft_p90_s": 0.5}}
+    kept = load_config({"prefill": {"autoscaling_config": {"max_replicas": 4, "policy": own}}}).prefill.serve_options("x:Y")
+    assert kept["autoscaling_config"]["policy"] == own and "num_replicas" not in kept
+    # A config dumped (as the app hands it to its replicas) loads again unchanged.
+    assert load_config(config.model_dump(mode="json")) == config
 
 
 def test_the_body_limit_must_hold_a_full_length_prompt():

@@ -1,4 +1,4 @@
-"""pd-serve's logging inside replicas: records reach Serve's logger; cancelled requests' tasks
+"""pd-serve's logging inside num_replicas: records reach Serve's logger; cancelled requests' tasks
 do not print tracebacks, every other unretrieved exception still does."""
 
 from __future__ import annotations

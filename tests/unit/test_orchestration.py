@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -387,7 +388,7 @@ def test_a_decode_engine_lost_mid_stream_is_resumed_token_exact(engines_without_
         errors = app.service.metrics.errors
         assert errors.value(kind="decode") == 1 and errors.value(kind="timeout") is None
 
-    run(body, args(router={"mode": "colocated"}, decode={"replicas": 2}), tiny_tokenizer, recording_router_metrics())
+    run(body, args(router={"mode": "colocated"}, decode={"num_replicas": 2}), tiny_tokenizer, recording_router_metrics())
 
 
 def test_no_decode_engine_at_all_is_a_503(engines_without_ray, tiny_tokenizer):
@@ -603,13 +604,13 @@ def test_models_health_snapshot_and_warm_up(engines_without_ray, tiny_tokenizer)
             load.healthy = False
 
         async def why() -> dict[str, str]:
-            return {"decode-0": "DEPLOY_FAILED: KV port 36016 is in use by pid 1 (x)", "router": "HEALTHY"}
+            return {"decode": "DEPLOY_FAILED: KV port 36016 is in use by pid 1 (x)", "router": "HEALTHY"}
 
         service.engine_status = why
         service.pool.refresh = _never  # keep the engines marked down for this check
         bad = await service.health()
         message = json.loads(bad.body)["error"]["message"]
-        assert bad.status_code == 503 and "decode-0: DEPLOY_FAILED: KV port 36016" in message and "router" not in message
+        assert bad.status_code == 503 and "decode: DEPLOY_FAILED: KV port 36016" in message and "router" not in message
 
         async def broken() -> dict[str, str]:
             raise RuntimeError("controller unreachable")
@@ -679,3 +680,74 @@ def test_an_in_replica_server_listens_and_stops():
             pass
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------- a pool shrinking (drain)
+async def busy_decode(app: App, timeout_s: float = 5.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name, load in app.service.pool.loads.items():
+            if load.role == "decode" and load.inflight and app.engines[name].runner.stats().num_running:
+                return name
+        await asyncio.sleep(0.002)
+    raise AssertionError("no decode engine busy")
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_stopping_decode_engine_hands_its_streams_to_another_token_exact(engines_without_ray, tiny_tokenizer, mode):
+    """Serve stops a decode replica (its replica leaves the list): the attempts streaming from it
+    move to the other decode engine through the recompute path; the client sees one response,
+    the same tokens as without the move; a move is no error and costs no attempt."""
+
+    async def body(app: App) -> None:
+        request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=300, stream=True))
+        victim = await busy_decode(app)
+        await asyncio.sleep(0.02)  # some tokens have flowed
+        app.service.pool.drain(victim)
+        status, events = await request
+        assert status == 200 and tokens_of(events) == expected(PROMPT, 300)
+        assert len({e["id"] for e in events if isinstance(e, dict)}) == 1
+        metrics = app.service.metrics
+        assert metrics.moves.value(engine=victim) == 1 and not metrics.errors.values
+        assert victim not in app.service.pool.loads  # forgotten once nothing is held on it
+        # Nothing new goes to it: the next request runs on the other engine alone.
+        calls = len(app.faults[victim].calls)
+        assert (await completion(app, PROMPT, max_tokens=4))[0] == 200
+        assert len(app.faults[victim].calls) == calls
+
+    run(body, args(router={"mode": mode, "max_attempts": 1}, decode={"num_replicas": 2}), tiny_tokenizer, recording_router_metrics())
+
+
+def test_with_no_other_decode_engine_a_moved_request_fails_with_a_503_not_a_hang(engines_without_ray, tiny_tokenizer):
+    async def body(app: App) -> None:
+        request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=300))
+        victim = await busy_decode(app)
+        app.service.pool.drain(victim)
+        status, response = await request  # waits up to kv_ready_s (2 s here) for a decode engine
+        assert status == 503 and "no decode engine" in response["error"]["message"]
+
+    run(body, args(router={"mode": "colocated"}, decode={"num_replicas": 1}), tiny_tokenizer)
+
+
+def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_resumes_them(engines_without_ray, tiny_tokenizer):
+    """The engine's side of a drain, for when Serve's list of running replicas drops the replica
+    late: its destructor (which Serve calls when stopping it) ends each stream at its next output
+    with stop_reason 'moved', and answers a new call so at once; the router resumes the request on
+    the other engine, token for token, and chooses the stopping one for nothing new."""
+
+    async def body(app: App) -> None:
+        request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=300, stream=True))
+        victim = await busy_decode(app)
+        await asyncio.sleep(0.02)
+        stopping = asyncio.ensure_future(app.engines[victim].__del__())
+        status, events = await request
+        assert status == 200 and tokens_of(events) == expected(PROMPT, 300)
+        assert len({e["id"] for e in events if isinstance(e, dict)}) == 1
+        metrics = app.service.metrics
+        assert metrics.moves.value(engine=victim) == 1 and not metrics.errors.values
+        assert victim not in app.service.pool.loads
+        await stopping  # it stops once nothing is in flight and no call has come for a while
+        assert app.engines[victim]._stopped
+
+    app_args = args(router={"mode": "disaggregated", "max_attempts": 1}, decode={"num_replicas": 2})
+    run(body, app_args, tiny_tokenizer, recording_router_metrics())

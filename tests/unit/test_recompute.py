@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.protocol import RECOMPUTED, TokenDelta, TokenLogprob
+from serve_app.protocol import MOVED, RECOMPUTED, TokenDelta, TokenLogprob
 from serve_app.router.errors import OpenAIError
 from serve_app.router.framing import ResponseFramer
 from serve_app.router.parsing import ModelContext, parse_request
-from serve_app.router.recompute import Action, Phase, RecomputeStateMachine
+from serve_app.router.recompute import MAX_FREE_MOVES, Action, Phase, RecomputeStateMachine
 from serve_app.router.text import StopMatcher
 
 
@@ -126,6 +126,28 @@ def test_max_attempts_ends_with_an_error_not_a_loop():
     assert "2 attempts" in step.emission.error and m.finished
     with pytest.raises(RuntimeError):
         m.start_attempt(False)
+
+
+def test_moves_off_a_stopping_engine_resume_like_a_recompute_but_cost_no_attempt():
+    """A decode engine Serve stops ends its streams with stop_reason 'moved' (or the router ends
+    them, an AttemptFailed with moved=True): the request resumes with its tokens so far, elsewhere;
+    the first MAX_FREE_MOVES moves do not count against max_attempts, so a pool shrinking twice
+    cannot fail a request that had one attempt left."""
+    m = machine(max_tokens=100, max_attempts=1)
+    m.start_attempt(False)
+    m.on_delta(delta(0, 1), engine="decode-0")
+    step = m.on_delta(delta(2, finish="stop", stop=MOVED), engine="decode-0")
+    assert step.action is Action.RETRY and step.moved and not step.recomputed
+    plan = m.start_attempt(False)
+    assert plan.prompt_token_ids == [100, 101, 102, 0, 1, 2] and plan.avoid == frozenset({"decode-0"})
+    assert m.on_attempt_failed("the decode engine was stopped", True, "decode-1", 503, moved=True).action is Action.RETRY
+    assert (m.moves, m.recomputes, m.counted_attempts) == (2, 0, 0)
+    for _ in range(MAX_FREE_MOVES - 2):
+        m.start_attempt(False)
+        assert m.on_attempt_failed("moved", True, "decode-1", 503, moved=True).action is Action.RETRY
+    m.start_attempt(False)  # the attempt max_attempts allows
+    step = m.on_attempt_failed("moved", True, "decode-1", 503, moved=True)  # past the free moves: counted
+    assert step.action is Action.FINISH and step.emission.error is not None
 
 
 def test_engine_failure_retries_and_prefers_another_engine():

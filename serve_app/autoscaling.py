@@ -1,0 +1,159 @@
+"""Autoscaling policies for the engine pools and the router, in Ray Serve's own terms.
+
+The router calls engines over its own transport (HTTP by default), so Serve's default signal, the
+requests in progress through its handles, does not see an engine's load; nor does it see the
+client requests a router replica serves over its own HTTP server. Each replica therefore reports
+its true load as Serve custom autoscaling metrics (``record_autoscaling_stats``, names below), and
+these policies, run by Serve's controller every control-loop tick, turn them into a replica count.
+Serve then applies the deployment's ``min_replicas``/``max_replicas``, its up/downscale delays and
+factors to what a policy asks for (a custom policy is wrapped by Serve's own bounds and delays).
+
+This module runs inside Serve's controller: standard library only, nothing from the rest of
+pd-serve, no Ray import at module level.
+
+* ``DecodeLoadPolicy``: enough decode replicas that, on average, each holds at most
+  ``target_requests`` requests (running + waiting) and uses at most ``target_kv_usage`` of its KV
+  cache; the larger of the two counts wins.
+* ``PrefillLoadPolicy``: enough prefill replicas that each has at most ``target_prompt_tokens``
+  prompt tokens queued or being computed.
+* ``RouterLoadPolicy``: enough router replicas for ``target_requests`` client requests each.
+* ``SLOPolicy``: latency targets instead of load targets, as NVIDIA Dynamo's planner does: the
+  prefill pool scales on time to first token (``ttft_p90_s``: the p90 of the time a prompt waits
+  and is computed on a prefill engine), the decode pool on inter-token latency (``itl_p90_s``: the
+  p90 of the gap between a decode engine's successive outputs). Each replica measures its own
+  p90 over the last ``LATENCY_WINDOW_S`` (0 when it served nothing); the policy scales the pool by
+  worst observed / target (above the target: more replicas at once; below ``scale_down_below``
+  of it, or idle: fewer, at most half at a time), and holds the count while no replica reports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+# The custom metrics each replica reports (record_autoscaling_stats), by name.
+RUNNING = "pd_running"  # requests an engine is running (decode) or computing (prefill)
+WAITING = "pd_waiting"  # requests an engine has queued
+KV_USAGE = "pd_kv_usage"  # fraction of the engine's KV cache in use
+PROMPT_TOKENS = "pd_prompt_tokens"  # prompt tokens a prefill engine holds: queued or computing
+TTFT_P90 = "pd_ttft_p90_s"  # prefill: p90 of wait + compute per prompt, recent window (0: none)
+ITL_P90 = "pd_itl_p90_s"  # decode: p90 of the gap between a stream's outputs, recent window (0: none)
+CLIENT_REQUESTS = "pd_client_requests"  # router: client requests in progress
+
+# How far back a replica's latency p90 looks.
+LATENCY_WINDOW_S = 30.0
+
+DEFAULT_POLICY = {
+    "decode": "serve_app.autoscaling:DecodeLoadPolicy",
+    "prefill": "serve_app.autoscaling:PrefillLoadPolicy",
+    "router": "serve_app.autoscaling:RouterLoadPolicy",
+}
+
+
+def per_replica(ctx: Any, name: str) -> list[float]:
+    """The metric ``name`` of every running replica that reported it (averaged by Serve over the
+    look-back window)."""
+    metrics: Mapping[str, Mapping[Any, float]] = ctx.aggregated_metrics or {}
+    return [float(v) for v in (metrics.get(name) or {}).values() if v is not None and math.isfinite(float(v))]
+
+
+def pool_total(ctx: Any, values: list[float]) -> float:
+    """A pool's total of a per-replica load: the reported values' sum, scaled up to every running
+    replica when some have not reported yet (just started, or a late report), so that a missing
+    report never reads as an idle replica."""
+    if not values:
+        return 0.0
+    return sum(values) * max(len(values), int(ctx.current_num_replicas or 0)) / len(values)
+
+
+def load_replicas(total: float, target_per_replica: float) -> float:
+    """Replicas for ``total`` load at ``target_per_replica`` each."""
+    return total / target_per_replica
+
+
+def _hold(ctx: Any) -> tuple[float, dict[str, Any]]:
+    return float(ctx.target_num_replicas), dict(ctx.policy_state or {})
+
+
+class DecodeLoadPolicy:
+    def __init__(self, target_requests: float = 64.0, target_kv_usage: float = 0.7) -> None:
+        if target_requests <= 0 or not 0 < target_kv_usage <= 1:
+            raise ValueError("DecodeLoadPolicy: target_requests > 0 and 0 < target_kv_usage <= 1")
+        self.target_requests = target_requests
+        self.target_kv_usage = target_kv_usage
+
+    def desired(self, requests: float, kv_usage: float) -> float:
+        """Replicas for a pool's total ``requests`` (running + waiting) and KV usage (summed)."""
+        return max(load_replicas(requests, self.target_requests), load_replicas(kv_usage, self.target_kv_usage))
+
+    def __call__(self, ctx: Any) -> tuple[float, dict[str, Any]]:
+        kv = per_replica(ctx, KV_USAGE)
+        if not kv:  # no replica has reported yet (starting): keep the count
+            return _hold(ctx)
+        requests = pool_total(ctx, per_replica(ctx, RUNNING)) + pool_total(ctx, per_replica(ctx, WAITING))
+        return self.desired(requests, pool_total(ctx, kv)), dict(ctx.policy_state or {})
+
+
+class PrefillLoadPolicy:
+    def __init__(self, target_prompt_tokens: float = 8192.0) -> None:
+        if target_prompt_tokens <= 0:
+            raise ValueError("PrefillLoadPolicy: target_prompt_tokens > 0")
+        self.target_prompt_tokens = target_prompt_tokens
+
+    def __call__(self, ctx: Any) -> tuple[float, dict[str, Any]]:
+        tokens = per_replica(ctx, PROMPT_TOKENS)
+        if not tokens:
+            return _hold(ctx)
+        return load_replicas(pool_total(ctx, tokens), self.target_prompt_tokens), dict(ctx.policy_state or {})
+
+
+class RouterLoadPolicy:
+    def __init__(self, target_requests: float = 256.0) -> None:
+        if target_requests <= 0:
+            raise ValueError("RouterLoadPolicy: target_requests > 0")
+        self.target_requests = target_requests
+
+    def __call__(self, ctx: Any) -> tuple[float, dict[str, Any]]:
+        requests = per_replica(ctx, CLIENT_REQUESTS)
+        if not requests:
+            return _hold(ctx)
+        return load_replicas(pool_total(ctx, requests), self.target_requests), dict(ctx.policy_state or {})
+
+
+class SLOPolicy:
+    """``ttft_p90_s`` for a prefill pool, ``itl_p90_s`` for a decode pool (the one set decides
+    which metric the policy reads)."""
+
+    def __init__(self, ttft_p90_s: float | None = None, itl_p90_s: float | None = None, scale_down_below: float = 0.5) -> None:
+        if (ttft_p90_s is None) == (itl_p90_s is None):
+            raise ValueError("SLOPolicy: set exactly one of ttft_p90_s (prefill pool) and itl_p90_s (decode pool)")
+        target = ttft_p90_s if ttft_p90_s is not None else itl_p90_s
+        assert target is not None
+        if target <= 0 or not 0 < scale_down_below < 1:
+            raise ValueError("SLOPolicy: targets > 0 and 0 < scale_down_below < 1")
+        self.metric = TTFT_P90 if ttft_p90_s is not None else ITL_P90
+        self.target = target
+        self.scale_down_below = scale_down_below
+
+    def desired(self, current: int, observed: Iterable[float]) -> float:
+        """``current`` scaled by the worst replica's p90 over the target: up at once when the
+        target is missed, down only when every replica is well under it (latency does not fall in
+        proportion to replicas removed, so a pool just under its target stays as it is)."""
+        measured = [v for v in observed if v > 0]
+        if current == 0:
+            return 0.0
+        if not measured:  # nothing served in the window: idle, shrink towards min_replicas
+            return current * 0.5
+        ratio = max(measured) / self.target
+        if ratio > 1.0:
+            return current * ratio
+        if ratio < self.scale_down_below:
+            return current * max(ratio / self.scale_down_below, 0.5)  # at most halve per decision
+        return float(current)
+
+    def __call__(self, ctx: Any) -> tuple[float, dict[str, Any]]:
+        observed = per_replica(ctx, self.metric)
+        if not observed:
+            return _hold(ctx)
+        return self.desired(int(ctx.current_num_replicas), observed), dict(ctx.policy_state or {})

@@ -1,0 +1,203 @@
+"""Elastic pools on real Ray Serve with real vLLM CPU engines: the decode pool autoscales on the
+load its engines report (pd-serve's policy, Serve's autoscaler), a replica that joins takes
+requests within seconds of RUNNING, a replica Serve stops hands its streams to another token for
+token, and the handle transport calls the replica the schedule chose."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import requests
+
+from tests.integration.conftest import LogWatch, completion_ids, deployed, inspect, token_pattern, wait_idle
+
+pytestmark = pytest.mark.engine
+
+TIMEOUTS = {"kv_ready_s": 10, "prefill_s": 30, "first_token_s": 30, "request_s": 300}
+ENGINE_KWARGS = {"kv_cache_memory_bytes": 64 << 20, "max_num_batched_tokens": 2048}
+
+AUTOSCALED = {
+    "served_model_name": "tiny-llama",
+    "max_model_len": 4096,  # room for streams long enough to be running when the pool shrinks
+    "engine_kwargs": ENGINE_KWARGS,
+    "prefill": {"num_replicas": 1, "num_cpus": 0.2},
+    "decode": {
+        "num_cpus": 0.2,
+        "graceful_shutdown_timeout_s": 60,
+        "autoscaling_config": {
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "initial_replicas": 1,
+            "upscale_delay_s": 0,
+            # Long enough for the two long streams below to start after the load ends, short
+            # enough that the pool shrinks while they stream (about 13 s each).
+            "downscale_delay_s": 8,
+            "look_back_period_s": 1,
+            "metrics_interval_s": 0.25,
+            # 2 requests per decode engine: 4 concurrent streams ask for 2 engines, 2 for one.
+            "policy": {"policy_function": "serve_app.autoscaling:DecodeLoadPolicy", "policy_kwargs": {"target_requests": 2}},
+        },
+    },
+    "router": {"mode": "disaggregated", "num_cpus": 0.1, "max_attempts": 3, "timeouts": TIMEOUTS},
+}
+
+
+def running_replicas(app_name: str, deployment: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications[app_name].deployments[deployment]
+    return int(status.replica_states.get("RUNNING", 0))
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"not within {timeout_s}s: {what}")
+
+
+def decode_members(app) -> dict[str, dict[str, Any]]:
+    """The decode engines the router chooses from now (its view, without a poll)."""
+    return {name: e for name, e in app.snapshot(refresh=False)["engines"].items() if e["role"] == "decode" and not e["draining"]}
+
+
+def stream_tokens(
+    app, prompt: list[int], max_tokens: int, started: threading.Event | None = None
+) -> tuple[set[str], list[int], str | None]:
+    """(response ids, token ids, finish reason) of one greedy streamed completion."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+    ids: set[str] = set()
+    tokens: list[int] = []
+    finish = None
+    with requests.post(app.base_url + "/v1/completions", json=body, stream=True, timeout=600) as response:
+        assert response.status_code == 200, response.text
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            ids.add(chunk["id"])
+            choice = chunk["choices"][0]
+            tokens += choice.get("token_ids") or []
+            finish = choice.get("finish_reason") or finish
+            if started is not None and tokens:
+                started.set()
+    return ids, tokens, finish
+
+
+def scale_up(app) -> tuple[float, str]:
+    """Under load: Serve starts a second decode replica; the router knows it and polls it
+    within 5 s of RUNNING; it takes requests. (seconds from RUNNING to healthy, its name)"""
+    wait_for("Serve runs a second decode replica", lambda: running_replicas(app.name, "decode") == 2, timeout_s=300, interval_s=0.1)
+    running_at = time.monotonic()
+    members = wait_for(
+        "the router takes the new replica", lambda: [n for n, e in decode_members(app).items() if e["healthy"] and n != "decode-0"], 5, 0.2
+    )
+    joined_after = time.monotonic() - running_at
+    (new,) = members
+    wait_for(f"{new} takes requests", lambda: decode_members(app)[new]["router_inflight"] > 0, 5, interval_s=0.05)
+    return joined_after, new
+
+
+def test_the_decode_pool_scales_with_its_load_and_a_stopped_replica_hands_its_streams_over(cluster, baseline_app):
+    # Two streams of the same prompt (about 15 s each here): each is the other's reference for the
+    # part past what the baseline app (max_model_len 2048) can generate.
+    prompt = token_pattern(40, seed=900)
+    long_prompts = [prompt, prompt]
+    budget = 4000
+    (_, head) = completion_ids(baseline_app, prompt, max_tokens=2000)
+    with deployed(cluster, "pools", AUTOSCALED) as app:
+        assert running_replicas(app.name, "decode") == 1 and list(decode_members(app)) == ["decode-0"]
+
+        # 1. Load: 8 concurrent streams keep the pool's running requests well above the policy's
+        #    target of 2 per engine, until the pool has a second engine and it has served requests.
+        stop = threading.Event()
+
+        def load(i: int) -> None:
+            n = 0
+            while not stop.is_set():
+                stream_tokens(app, token_pattern(32, seed=1000 * i + n), 400)
+                n += 1
+
+        with ThreadPoolExecutor(8) as pool:
+            loaders = [pool.submit(load, i) for i in range(8)]
+            try:
+                joined_after, new = scale_up(app)
+            finally:
+                stop.set()
+            for loader in loaders:
+                loader.result()
+        print(f"a joining decode replica was healthy in the router {joined_after:.2f}s after Serve said RUNNING")
+        assert new in decode_members(app)
+
+        # 2. Two long streams, one on each engine: the load falls to one engine's worth and
+        #    Serve stops one replica while both stream. Its stream moves to the other engine,
+        #    token for token; the client sees one response.
+        watch = LogWatch()
+        started = [threading.Event() for _ in long_prompts]
+        with ThreadPoolExecutor(2) as pool:
+            streams = []
+            for prompt, event in zip(long_prompts, started):
+                streams.append(pool.submit(stream_tokens, app, prompt, budget, event))
+                event.wait(60)
+
+            def one_each() -> bool:
+                members = decode_members(app)
+                return len(members) == 2 and all(e["router_inflight"] == 1 for e in members.values())
+
+            try:
+                wait_for("one long stream on each decode engine", one_each, 10, 0.2)
+            except TimeoutError:
+                view = {n: (e["router_inflight"], e["router_reserved_tokens"], e["draining"]) for n, e in app.snapshot()["engines"].items()}
+                raise AssertionError(f"the long streams are not one per engine: {view}") from None
+            wait_for("Serve stops one decode replica", lambda: running_replicas(app.name, "decode") == 1, timeout_s=120, interval_s=0.1)
+            results = [s.result(timeout=600) for s in streams]
+        for ids, tokens, finish in results:
+            assert len(ids) == 1 and finish == "length" and len(tokens) == budget
+            assert tokens[:2000] == head
+        assert results[0][1] == results[1][1]
+        assert "moves off" in watch.new_text(), "no stream moved off the stopped replica"
+        assert len(decode_members(app)) == 1
+        wait_idle(app)
+
+
+GRPC = {
+    "served_model_name": "tiny-llama",
+    "max_model_len": 2048,
+    "engine_kwargs": ENGINE_KWARGS,
+    "prefill": {"num_replicas": 1, "num_cpus": 0.2},
+    "decode": {"num_replicas": 2, "num_cpus": 0.2},
+    "router": {"mode": "disaggregated", "num_cpus": 0.1, "engine_transport": "grpc", "timeouts": TIMEOUTS},
+}
+
+
+def test_over_serve_handles_each_call_reaches_the_replica_the_schedule_chose(cluster, baseline_app):
+    """engine_transport: grpc: the router's engine calls go through the pools' deployment handles,
+    pinned to the replica its balancer picked. Both decode engines serve; each attempt is on the
+    one engine the router's snapshot names; the output is token-exact."""
+    prompts = [token_pattern(64 + 37 * i, seed=700 + i) for i in range(6)]
+    want = [completion_ids(baseline_app, p, max_tokens=12)[1] for p in prompts]
+    with deployed(cluster, "pools-grpc", GRPC) as app:
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda p: completion_ids(app, p, max_tokens=12), prompts))
+        assert [tokens for _, tokens in got] == want
+        attempts = [response_id + "-1" for response_id, _ in got]
+        records = inspect(app, "decode", attempts)
+        served = {name: [a for a in attempts if record["requests"][a]] for name, record in records.items()}
+        assert set(served) == {"decode-0", "decode-1"} and all(served.values()), served
+        assert sorted(a for names in served.values() for a in names) == sorted(attempts)  # each on exactly one
+        for name, record in records.items():
+            assert record["replica"] == app.snapshot()["engines"][name]["replica"]  # the pinned call reached it
+        # The handle API too: engine calls made while the router serves a Serve request.
+        final = app.handle.complete.remote({"prompt": prompts[0], "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+        assert final.result(timeout_s=120)["choices"][0]["token_ids"] == want[0]
+        wait_idle(app)

@@ -1,0 +1,215 @@
+"""Elastic pools, fast: the autoscaling policies, membership (at 100 replicas x 8 routers), the
+request router's pinning. The drain's moves are in test_orchestration.py (in process) and
+tests/integration/test_pools.py (real Serve, vLLM engines)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from serve_app import autoscaling
+from serve_app.engines.load_report import LatencyWindow
+from serve_app.protocol import EngineStats
+from serve_app.router.membership import Membership, ReplicaInfo, diff
+from serve_app.router.pool import EnginePool
+from serve_app.router.replica_router import EngineRequestRouter, pinned_replica
+
+
+# ---------------------------------------------------------------------------- policies
+def ctx(metrics: dict[str, list[float]], current: int = 2, target: int = 2) -> SimpleNamespace:
+    """Serve's AutoscalingContext, as much of it as the policies read."""
+    return SimpleNamespace(
+        aggregated_metrics={name: {f"r{i}": v for i, v in enumerate(values)} for name, values in metrics.items()},
+        current_num_replicas=current,
+        target_num_replicas=target,
+        policy_state={},
+    )
+
+
+def test_decode_scales_on_requests_or_kv_whichever_needs_more():
+    policy = autoscaling.DecodeLoadPolicy(target_requests=10, target_kv_usage=0.5)
+    busy_kv = {autoscaling.RUNNING: [2, 2], autoscaling.WAITING: [0, 0], autoscaling.KV_USAGE: [0.9, 0.6]}
+    assert policy(ctx(busy_kv))[0] == pytest.approx(3.0)  # 1.5 of KV over 0.5 each
+    many = {autoscaling.RUNNING: [12, 10], autoscaling.WAITING: [8, 0], autoscaling.KV_USAGE: [0.1, 0.1]}
+    assert policy(ctx(many))[0] == pytest.approx(3.0)  # 30 requests over 10 each
+    idle = {autoscaling.RUNNING: [0, 0], autoscaling.WAITING: [0, 0], autoscaling.KV_USAGE: [0.0, 0.0]}
+    assert policy(ctx(idle))[0] == 0.0  # Serve's min_replicas and downscale delay bound it
+    assert policy(ctx({}, target=3))[0] == 3.0  # nothing reported yet (replicas starting): hold
+    # One of 3 running replicas has not reported: its share counts as the others' average, not 0.
+    partial = {autoscaling.RUNNING: [10, 10], autoscaling.WAITING: [0, 0], autoscaling.KV_USAGE: [0.1, 0.1]}
+    assert policy(ctx(partial, current=3))[0] == pytest.approx(3.0)
+
+
+def test_prefill_scales_on_prompt_tokens_and_router_on_client_requests():
+    prefill = autoscaling.PrefillLoadPolicy(target_prompt_tokens=1000)
+    assert prefill(ctx({autoscaling.PROMPT_TOKENS: [2500, 1500]}))[0] == pytest.approx(4.0)
+    router = autoscaling.RouterLoadPolicy(target_requests=100)
+    assert router(ctx({autoscaling.CLIENT_REQUESTS: [150.0]}, current=1))[0] == pytest.approx(1.5)
+
+
+def test_the_slo_policy_scales_up_at_once_and_down_only_well_under_the_target():
+    decode = autoscaling.SLOPolicy(itl_p90_s=0.05)
+    assert decode.metric == autoscaling.ITL_P90
+    assert decode(ctx({autoscaling.ITL_P90: [0.1, 0.02]}, current=2))[0] == pytest.approx(4.0)  # worst replica: 2x the target
+    assert decode(ctx({autoscaling.ITL_P90: [0.04, 0.03]}, current=2))[0] == 2.0  # just under: hold
+    assert decode(ctx({autoscaling.ITL_P90: [0.01, 0.005]}, current=4))[0] == pytest.approx(2.0)  # well under: at most halve
+    assert decode(ctx({autoscaling.ITL_P90: [0.0, 0.0]}, current=4))[0] == pytest.approx(2.0)  # idle
+    prefill = autoscaling.SLOPolicy(ttft_p90_s=0.5)
+    assert prefill.metric == autoscaling.TTFT_P90 and prefill(ctx({autoscaling.TTFT_P90: [1.5]}, current=1))[0] == pytest.approx(3.0)
+    with pytest.raises(ValueError):
+        autoscaling.SLOPolicy(ttft_p90_s=0.5, itl_p90_s=0.05)
+    with pytest.raises(ValueError):
+        autoscaling.SLOPolicy()
+
+
+def test_a_policy_is_what_serve_runs_from_the_config():
+    """Serve's own AutoscalingConfig imports the policy and instantiates it with policy_kwargs."""
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve.config import AutoscalingConfig
+
+    from serve_app.config import load_config
+
+    policy = {"policy_function": "serve_app.autoscaling:SLOPolicy", "policy_kwargs": {"itl_p90_s": 0.05}}
+    config = load_config({"decode": {"autoscaling_config": {"max_replicas": 4, "policy": policy}}})
+    serve_config = AutoscalingConfig(**config.decode.serve_options(None)["autoscaling_config"])
+    resolved = _resolve_policy_callable(serve_config.policy)
+    assert isinstance(resolved, autoscaling.SLOPolicy) and resolved.target == 0.05
+
+
+def test_latency_window_p90_forgets_old_samples():
+    window = LatencyWindow(window_s=10)
+    for i in range(100):
+        window.add(100.0, i / 100)
+    assert window.p90(105.0) == pytest.approx(0.9)
+    assert window.p90(111.0) == 0.0
+
+
+# ---------------------------------------------------------------------------- membership
+def infos(role: str, ids: range) -> list[ReplicaInfo]:
+    return [ReplicaInfo(replica_id=f"{role}-r{i}", role=role, name=f"{role}-{i}") for i in ids]  # type: ignore[arg-type]
+
+
+def test_membership_diffs_at_100_replicas_and_8_routers():
+    """One replica starting in a pool of 100 reaches 8 router replicas: each sees exactly one
+    join; one stopping: exactly one leave. The costs are set differences of 100 ids."""
+    registry = Membership()
+    pools = [EnginePool({}) for _ in range(8)]
+    for pool in pools:
+        pool.attach("decode", FakePoolHandle())
+        registry.subscribe("app", "decode", lambda replicas, pool=pool: pool.update("decode", replicas))
+    registry.publish("app", "decode", infos("decode", range(100)))
+    assert all(len(pool.members) == 100 for pool in pools)
+    started = time.perf_counter()
+    registry.publish("app", "decode", infos("decode", range(101)))
+    registry.publish("app", "decode", infos("decode", range(1, 101)))
+    elapsed = time.perf_counter() - started
+    for pool in pools:
+        assert "decode-100" in pool.members and "decode-0" not in pool.members and len(pool.members) == 100
+    print(f"two changes of a 100-replica pool at 8 routers: {elapsed * 1e3:.2f} ms")  # the cost, not a threshold
+    change = diff({r.replica_id: r for r in infos("decode", range(100))}, infos("decode", range(50, 150)))
+    assert len(change.joined) == 50 and len(change.left) == 50
+
+
+def test_a_listener_is_called_on_its_own_loop_whatever_thread_publishes():
+    registry = Membership()
+    seen: list[tuple[int, list[str]]] = []
+
+    async def main() -> None:
+        registry.subscribe("app", "prefill", lambda replicas: seen.append((threading.get_ident(), [r.name for r in replicas])))
+        other = threading.Thread(target=registry.publish, args=("app", "prefill", infos("prefill", range(2))))
+        other.start()
+        other.join()
+        await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert seen == [(threading.get_ident(), ["prefill-0", "prefill-1"])]
+    # A late subscriber gets the latest list at once.
+    late: list[int] = []
+    registry.subscribe("app", "prefill", lambda replicas: late.append(len(replicas)))
+    assert late == [2]
+
+
+def test_replica_metadata_becomes_a_member_that_is_callable_at_once():
+    info = ReplicaInfo.from_metadata(
+        "abc123",
+        {
+            "role": "decode",
+            "name": "decode-3",
+            "call_endpoint": {"url": "http://127.0.0.1:1234", "token": "t"},
+            "kv_endpoint": {"engine_id": "decode-3-abc123", "host": "127.0.0.1", "port": 36000},
+        },
+    )
+    assert info is not None and info.call_endpoint is not None and info.call_endpoint.url == "http://127.0.0.1:1234"
+    assert ReplicaInfo.from_metadata("x", {}) is None  # not one of ours
+    pool = EnginePool({})
+    pool.attach("decode", FakePoolHandle())
+    pool.update("decode", [info])
+    assert pool.members["decode-3"].replica_id == "abc123"
+    assert pool.kv_endpoint("decode-3") == info.kv_endpoint
+    assert pool.loads["decode-3"].healthy  # Serve lists it once started: it takes work at once
+    # A replacement with the same rank while the old one still drains gets a name of its own.
+    with pool.lease("decode-3", 10):
+        pool.update("decode", [])
+        assert pool.loads["decode-3"].draining
+        again = ReplicaInfo("def456", "decode", "decode-3")
+        pool.update("decode", [again])
+        assert "decode-3.def456" in pool.members
+    assert "decode-3" not in pool.members  # forgotten with its last lease
+
+
+class FakePoolHandle:
+    """A deployment handle whose calls record the replica they are pinned to."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def options(self, **_: Any) -> FakePoolHandle:
+        return self
+
+    def __getattr__(self, method: str) -> Any:
+        handle = self
+
+        class Method:
+            def remote(self, *args: Any, **kwargs: Any) -> Any:
+                handle.calls.append((method, kwargs))
+                return asyncio.sleep(0, result=EngineStats(name="?", role="prefill") if method == "stats" else None)
+
+        return Method()
+
+
+def test_every_handle_call_to_a_pool_member_names_its_replica():
+    handle = FakePoolHandle()
+    pool = EnginePool({})
+    pool.attach("prefill", handle)
+    pool.update("prefill", [ReplicaInfo("p1", "prefill", "prefill-0")])
+
+    async def main() -> None:
+        await pool.start_prefill("prefill-0", SimpleNamespace())
+        await pool.open_stream("prefill-0", SimpleNamespace())
+        await pool.refresh(["prefill-0"])
+
+    asyncio.run(main())
+    assert [kwargs for _, kwargs in handle.calls] == [{"replica": "p1"}] * 3
+    assert pool.loads["prefill-0"].healthy  # its stats answered
+
+
+def test_the_request_router_sends_a_pinned_call_to_its_replica_only():
+    def replica(uid: str) -> Any:
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid))
+
+    candidates = [replica(f"r{i}") for i in range(5)]
+    router = EngineRequestRouter.__new__(EngineRequestRouter)  # choose_replicas needs no state
+
+    def pending(**kwargs: Any) -> Any:
+        return SimpleNamespace(args=[], kwargs=kwargs)
+
+    chosen = asyncio.run(router.choose_replicas(candidates, pending(replica="r3")))
+    assert [[r.replica_id.unique_id for r in rank] for rank in chosen] == [["r3"]]
+    assert asyncio.run(router.choose_replicas(candidates, pending(replica="gone"))) == [[]]  # waits for it, or the caller's deadline
+    assert len(asyncio.run(router.choose_replicas(candidates, pending()))[0]) == 2  # unpinned: two to compare
+    assert pinned_replica(pending(replica=7)) is None and pinned_replica(None) is None
