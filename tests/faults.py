@@ -125,17 +125,17 @@ class FaultyConnector(LayerwisePushConnector):
 class _FaultyPrefill(Prefill.func_or_class):  # type: ignore[misc]
     _unhealthy_until = 0.0
 
-    async def run(self, request: EngineRequest) -> PrefillResult:
+    async def run(self, request: EngineRequest, replica: str | None = None) -> PrefillResult:
         fault = fault_of(request.prompt_token_ids, request.request_id)
         if fault == PREFILL_RAISE:
             self.runner.requests.put(request.request_id, {"fault": "injected"})
             raise PrefillFailed(f"{self.spec.name}: injected prefill failure")
         if fault == PREFILL_UNHEALTHY:
             self._unhealthy_until = time.monotonic() + UNHEALTHY_S
-        return await super().run(request)
+        return await super().run(request, replica)
 
-    async def stats(self) -> EngineStats:
-        stats = await super().stats()
+    async def stats(self, replica: str | None = None) -> EngineStats:
+        stats = await super().stats(replica)
         if time.monotonic() < self._unhealthy_until:
             stats.healthy = False
         return stats

@@ -71,7 +71,7 @@ class _LoadTracker:
         return _TrackerLogger
 
 
-class EngineRunner:
+class VLLMRunner:
     def __init__(self, name: str, role: Role, engine_kwargs: dict[str, Any], pacer: StreamPacer | None = None) -> None:
         self.name = name
         self.role = role

@@ -102,7 +102,7 @@ class _Sequence:
 
 
 class MockEngine:
-    """The engine-runner interface (``generate``, ``abort``, ``stats``, ...) of ``EngineRunner``."""
+    """The engine-runner interface (engines/runner.py: ``generate``, ``abort``, ``stats``, ...) without a model."""
 
     def __init__(
         self, name: str, role: Role, costs: MockCosts, endpoint: KVEndpoint | None, recompute: bool, pacer: StreamPacer | None = None

@@ -20,6 +20,7 @@ from serve_app.engines.call_server import EngineCallServer
 from serve_app.engines.kv_endpoint import settle_kv_endpoint, side_channel_host
 from serve_app.engines.load_report import LatencyWindow
 from serve_app.engines.pacing import StreamPacer
+from serve_app.engines.runner import EngineRunner
 from serve_app.gc_heap import freeze_startup_heap
 from serve_app.logs import quiet_cancelled_requests, serve_log_file_kept, to_serve_logs
 from serve_app.metrics import engine_metrics
@@ -50,7 +51,7 @@ class WrongReplica(RuntimeError):
     """A call pinned to another replica reached this one."""
 
 
-def make_runner(spec: EngineSpec, engine_kwargs: dict[str, Any], endpoint: KVEndpoint | None) -> Any:
+def make_runner(spec: EngineSpec, engine_kwargs: dict[str, Any], endpoint: KVEndpoint | None) -> EngineRunner:
     """The engine behind a replica: vLLM's AsyncLLM, or the mock engine (``backend: mock``)."""
     pacer = StreamPacer(spec.stream_items_per_s)
     if spec.backend == "mock":
@@ -59,9 +60,9 @@ def make_runner(spec: EngineSpec, engine_kwargs: dict[str, Any], endpoint: KVEnd
         mock = engine_kwargs["mock"]
         costs = MockCosts(**mock["costs"], recv_timeout_s=float(mock.get("recv_timeout_s", 60.0)))
         return MockEngine(spec.name, spec.role, costs, endpoint, recompute=bool(mock.get("recompute", True)), pacer=pacer)
-    from serve_app.engines.engine import EngineRunner
+    from serve_app.engines.engine import VLLMRunner
 
-    return EngineRunner(spec.name, spec.role, engine_kwargs, pacer)
+    return VLLMRunner(spec.name, spec.role, engine_kwargs, pacer)
 
 
 class EngineServer:

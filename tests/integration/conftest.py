@@ -141,7 +141,13 @@ def deployed(cluster: Cluster, name: str, args: dict[str, Any], plugins: Any = N
     names them)."""
     from ray import serve
 
-    app = deploy(cluster, name, f"/{name}", {"kv_port_base": free_ports(KV_PORT_BLOCK, align=16), **args}, plugins=plugins)
+    try:
+        app = deploy(cluster, name, f"/{name}", {"kv_port_base": free_ports(KV_PORT_BLOCK, align=16), **args}, plugins=plugins)
+    except BaseException:
+        # An app that did not become healthy still holds its replicas' CPUs: deleted here, or
+        # every later module's app would wait for room on the cluster.
+        serve.delete(name)
+        raise
     try:
         yield app
     finally:
