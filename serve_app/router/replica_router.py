@@ -57,6 +57,12 @@ class EngineRequestRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         pin = pinned_replica(pending_request)
+        if pending_request is not None:
+            # Every candidate is offered at once (no locality tiers): when none can take the call
+            # (the pinned replica is gone, or all are full), Serve must back off before asking
+            # again. Without this, its routing loop asks again at once, never yielding the event
+            # loop: a pinned call to a replica that died froze the router replica.
+            pending_request.routing_context.should_backoff = True
 
         if pin is not None:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]

@@ -206,10 +206,13 @@ def test_the_request_router_sends_a_pinned_call_to_its_replica_only():
     router = EngineRequestRouter.__new__(EngineRequestRouter)  # choose_replicas needs no state
 
     def pending(**kwargs: Any) -> Any:
-        return SimpleNamespace(args=[], kwargs=kwargs)
+        return SimpleNamespace(args=[], kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False))
 
     chosen = asyncio.run(router.choose_replicas(candidates, pending(replica="r3")))
     assert [[r.replica_id.unique_id for r in rank] for rank in chosen] == [["r3"]]
-    assert asyncio.run(router.choose_replicas(candidates, pending(replica="gone"))) == [[]]  # waits for it, or the caller's deadline
+    gone = pending(replica="gone")
+    # It waits for the replica (or the caller's deadline), backing off: Serve's routing loop asks
+    # again at once, without yielding the event loop, unless told to back off.
+    assert asyncio.run(router.choose_replicas(candidates, gone)) == [[]] and gone.routing_context.should_backoff
     assert len(asyncio.run(router.choose_replicas(candidates, pending()))[0]) == 2  # unpinned: two to compare
     assert pinned_replica(pending(replica=7)) is None and pinned_replica(None) is None
