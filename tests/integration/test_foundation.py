@@ -4,6 +4,7 @@ engines: OpenAI API (completions and chat, stream and not), the handle API, bad 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import openai
@@ -259,7 +260,9 @@ def _replica_processes(app_name: str) -> dict[str, psutil.Process]:
     for proc in psutil.process_iter(["cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
         for deployment in ("router", "prefill", "decode"):
-            if f"ServeReplica:{app_name}:{deployment} " in cmd + " ":
+            # Ray's process title may carry the method running (":decode.__call__"): the name
+            # must end at a character no deployment name has.
+            if re.search(rf"ServeReplica:{re.escape(app_name)}:{deployment}(?![\w-])", cmd):
                 if deployment == "router":
                     found["router"] = proc
                 else:
