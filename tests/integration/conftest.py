@@ -8,6 +8,7 @@ configs/serve.yaml does) on a free port rather than 8000, so the tests do not co
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -174,6 +175,16 @@ def kv_pressure_args(decode_replicas: int) -> dict[str, Any]:
             "timeouts": {"kv_ready_s": 300, "prefill_s": 60, "first_token_s": 300, "request_s": 900},
         },
     }
+
+
+def sse_chunks(response: requests.Response) -> Iterator[dict[str, Any]]:
+    """The chunks of a streamed OpenAI response, as they arrive (none of them an error)."""
+    for line in response.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        assert "error" not in chunk, chunk
+        yield chunk
 
 
 def token_pattern(length: int, seed: int) -> list[int]:

@@ -5,7 +5,6 @@ token, and the handle transport calls the replica the schedule chose."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.integration.conftest import LogWatch, completion_ids, deployed, inspect, token_pattern, wait_idle
+from tests.integration.conftest import LogWatch, completion_ids, deployed, inspect, sse_chunks, token_pattern, wait_idle
 
 pytestmark = pytest.mark.engine
 
@@ -80,11 +79,7 @@ def stream_tokens(
     finish = None
     with requests.post(app.base_url + "/v1/completions", json=body, stream=True, timeout=600) as response:
         assert response.status_code == 200, response.text
-        for line in response.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
+        for chunk in sse_chunks(response):
             ids.add(chunk["id"])
             choice = chunk["choices"][0]
             tokens += choice.get("token_ids") or []

@@ -4,7 +4,6 @@ replica killed mid-stream is resumed the same way."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -21,6 +20,7 @@ from tests.integration.conftest import (
     kv_pressure_args,
     metric_lines,
     post,
+    sse_chunks,
     token_pattern,
     wait_healthy,
     wait_idle,
@@ -59,11 +59,7 @@ def call(app, route: str, body: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": [], "text": "", "finish": None, "roles": 0, "ids": set(), "logprob_count": 0}
     with requests.post(app.base_url + path, json=body, stream=True, timeout=900) as response:
         assert response.status_code == 200, response.text
-        for line in response.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
+        for chunk in sse_chunks(response):
             out["ids"].add(chunk["id"])
             if chunk.get("usage"):
                 out["usage"] = chunk["usage"]
@@ -194,11 +190,7 @@ def test_killed_decode_replica_mid_stream_is_resumed_elsewhere(app, baseline_app
         stream=True,
         timeout=600,
     ) as response:
-        for line in response.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
+        for chunk in sse_chunks(response):
             ids.add(chunk["id"])
             choice = chunk["choices"][0]
             text += choice["text"]
