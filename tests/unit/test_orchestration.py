@@ -739,6 +739,9 @@ def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_r
         request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=300, stream=True))
         victim = await busy_decode(app)
         await asyncio.sleep(0.02)
+        # As the app builds a replica: its drain is bounded by the deployment's graceful shutdown
+        # (the in-process engines are built with none, so they stop at once at the test's end).
+        app.engines[victim].drain_s = 10.0
         stopping = asyncio.ensure_future(app.engines[victim].__del__())
         status, events = await request
         assert status == 200 and tokens_of(events) == expected(PROMPT, 300)
