@@ -29,7 +29,7 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from serve_app.ports import free_port  # noqa: E402  (importable once the repo's root is on the path)
+from serve_app.runtime.ports import free_port  # noqa: E402  (importable once the repo's root is on the path)
 
 
 def one_request(url: str, prompt: list[int], max_tokens: int) -> dict[str, float]:

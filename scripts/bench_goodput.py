@@ -61,7 +61,7 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, started, vllm_server_command  # noqa: E402
 
-from serve_app.ports import free_port  # noqa: E402
+from serve_app.runtime.ports import free_port  # noqa: E402
 
 MODEL_DIR = REPO_ROOT / ".cache" / "medium-llama"
 SERVED_NAME = "medium-llama"

@@ -57,7 +57,7 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from serve_app.ports import free_port  # noqa: E402  (importable once the repo's root is on the path)
+from serve_app.runtime.ports import free_port  # noqa: E402  (importable once the repo's root is on the path)
 
 VENV_BIN = Path(sys.executable).parent
 SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
@@ -237,9 +237,9 @@ def set_arg(args: dict[str, Any], dotted: str, value: Any) -> None:
 def vllm_server_command(port: int) -> tuple[list[str], dict[str, str]]:
     """vLLM's OpenAI server with the engine arguments and thread binding of pd-serve's colocated
     decode engine (minus pd-serve's own connector and scheduler)."""
-    from serve_app.config import load_config
-    from serve_app.engines.backends import engine_specs
-    from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
+    from serve_app.config.backends import engine_specs
+    from serve_app.config.settings import load_config
+    from serve_app.vllm_plugins.watchdog import ENV as WATCHDOG_ENV
 
     (spec,) = [s for s in engine_specs(load_config(app_args("colocated"))) if s.role == "decode"]
     kwargs = {k: v for k, v in spec.engine_kwargs.items() if k not in ("kv_transfer_config", "scheduler_cls")}
@@ -401,7 +401,7 @@ def cross_core_round_trip_us(rounds: int = 2000, samples: int = 5) -> float:
 def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path, repeat: int = 1) -> dict[str, Any]:
     """One start of ``target``: the warm-up, then each workload ``repeat`` times in a row; every
     run kept (``merge_rounds`` picks the one to show)."""
-    from serve_app.config import load_config
+    from serve_app.config.settings import load_config
 
     port = free_port()
     config = load_config(app_args("colocated"))
@@ -455,8 +455,8 @@ def router_added_ttft(port: int, samples: int = 100) -> dict[str, float]:
     import ray
     from ray import serve
 
-    from serve_app.protocol import EngineRequest, TokenDelta
-    from serve_app.sampling import encode_sampling
+    from serve_app.wire.protocol import EngineRequest, TokenDelta
+    from serve_app.wire.sampling import encode_sampling
 
     ray.init(address="auto", log_to_driver=False, namespace="serve")
     try:

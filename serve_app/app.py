@@ -2,7 +2,7 @@
 
 Three deployments: ``router`` (the HTTP ingress), ``prefill`` and ``decode``, each role's engines
 being the replicas of its deployment. Their counts are Serve's: ``num_replicas``, or an
-``autoscaling_config`` whose policy reads the load each engine reports (serve_app/autoscaling.py).
+``autoscaling_config`` whose policy reads the load each engine reports (serve_app/config/autoscaling.py).
 The engine deployments route calls with pd-serve's request router (router/replica_router.py), so
 the schedule's choice of replica is the one called, and every router learns of replicas as Serve
 starts and stops them. Every replica reserves an explicit ``num_cpus`` from the config, so the
@@ -17,9 +17,9 @@ from typing import Any
 
 from ray.serve import Application
 
-from serve_app.autoscaling import DEFAULT_POLICY
-from serve_app.config import ConfigError, load_config
-from serve_app.engines.backends import BACKENDS, environment_problems, pool_spec, replica_spec, replicas_keep_off
+from serve_app.config.autoscaling import DEFAULT_POLICY
+from serve_app.config.backends import BACKENDS, environment_problems, pool_spec, replica_spec, replicas_keep_off
+from serve_app.config.settings import ConfigError, load_config
 
 ENGINE_REQUEST_ROUTER = "serve_app.router.replica_router:EngineRequestRouter"
 # How often a stopping engine replica checks Serve's own count of its requests before Serve calls

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.config import DEFAULT_MODEL_DIR
+from serve_app.config.settings import DEFAULT_MODEL_DIR
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from serve_app.kv.layerwise_connector import LayerwisePushConnector
 from serve_app.kv.metadata import LayerwiseMetadata, SendSpec
 from serve_app.kv.producer import ProducerWorker
 from serve_app.kv.scheduler_side import SchedulerSide
-from serve_app.protocol import EngineRequest, EngineStats, PrefillResult
+from serve_app.wire.protocol import EngineRequest, EngineStats, PrefillResult
 
 logger = logging.getLogger("pd_serve.tests.faults")
 

@@ -30,14 +30,12 @@ from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
-from serve_app.engine_wire import CONTENT_TYPE, CallError, WireError, decode_request, encode_frame
-from serve_app.http_server import InReplicaServer, listening_socket
-from serve_app.protocol import EngineCallEndpoint, EngineRequest, PrefillResult
+from serve_app.runtime.http_server import InReplicaServer, listening_socket
+from serve_app.wire.frames import CONTENT_TYPE, GENERATE_PATH, RUN_PATH, CallError, WireError, decode_request, encode_frame
+from serve_app.wire.protocol import EngineCallEndpoint, EngineRequest, PrefillResult
 
 logger = logging.getLogger("pd_serve.engine")
 
-GENERATE_PATH = "/generate"
-RUN_PATH = "/run"
 # An EngineRequest is a prompt's token ids and a few small fields: 32 MiB holds any context
 # length a model has with room to spare, and bounds what an authorised but broken caller sends.
 MAX_BODY_BYTES = 32 << 20

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from serve_app.engines.backends import EngineSpec, PoolSpec
+from serve_app.config.backends import EngineSpec, PoolSpec
 from serve_app.engines.metaserver import MetaserverRelay, with_relay
 from serve_app.engines.server import EngineServer
-from serve_app.protocol import MOVED, EngineEvent, EngineRequest, KVReady, TokenDelta
+from serve_app.wire.protocol import MOVED, EngineEvent, EngineRequest, KVReady, TokenDelta
 
 
 @serve.deployment

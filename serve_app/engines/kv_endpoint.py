@@ -15,8 +15,8 @@ import logging
 import socket
 from typing import Any
 
-from serve_app.ports import free_port
-from serve_app.protocol import KVEndpoint
+from serve_app.runtime.ports import free_port
+from serve_app.wire.protocol import KVEndpoint
 
 logger = logging.getLogger("pd_serve.engine")
 

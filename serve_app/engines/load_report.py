@@ -1,4 +1,4 @@
-"""A replica's recent latencies, for the autoscaling metrics it reports (serve_app/autoscaling.py).
+"""A replica's recent latencies, for the autoscaling metrics it reports (serve_app/config/autoscaling.py).
 
 Kept per replica, over a sliding window: a prefill replica records, per call, the time from the
 call's arrival to its prompt computed (what the prompt adds to time to first token: its queueing

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-DEFAULT_ITEMS_PER_S = 400.0
+from serve_app.config.settings import DEFAULT_ITEMS_PER_S
 
 
 class StreamPacer:

@@ -7,7 +7,7 @@ import time
 from ray import serve
 
 from serve_app.engines.server import EngineServer
-from serve_app.protocol import EngineRejected, EngineRequest, PrefillResult
+from serve_app.wire.protocol import EngineRejected, EngineRequest, PrefillResult
 
 # How long ``run`` waits for its connector's record of the push once the prompt is computed. The
 # record rides with the engine stats of the very step that finished the prompt, so it is normally

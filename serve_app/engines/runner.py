@@ -1,6 +1,6 @@
 """What an engine replica needs of the engine it owns: the seam between the Serve deployments
 (engines/server.py, prefill.py, decode.py) and the engines behind them, vLLM's ``AsyncLLM``
-(engines/engine.py) or the mock engine (engines/mock.py). Both satisfy this Protocol;
+(engines/vllm_runner.py) or the mock engine (engines/mock_runner.py). Both satisfy this Protocol;
 tests/unit/test_pools.py checks it, so a method one of them lacks fails there and not at a
 replica's first call."""
 
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
 from serve_app.engines.records import Recent
-from serve_app.protocol import EngineRejected, EngineRequest, EngineStats, Role, TokenDelta
+from serve_app.wire.protocol import EngineRejected, EngineRequest, EngineStats, Role, TokenDelta
 
 
 @runtime_checkable

@@ -13,18 +13,18 @@ import os
 import time
 from typing import Any
 
-from serve_app import autoscaling
-from serve_app.cpu_placement import keep_off_engine_cores
-from serve_app.engines.backends import BACKENDS, EngineSpec, PoolSpec, prepare_engine_environment
+from serve_app.config import autoscaling
+from serve_app.config.backends import BACKENDS, EngineSpec, PoolSpec, prepare_engine_environment
 from serve_app.engines.call_server import EngineCallServer
 from serve_app.engines.kv_endpoint import settle_kv_endpoint, side_channel_host
 from serve_app.engines.load_report import LatencyWindow
 from serve_app.engines.pacing import StreamPacer
 from serve_app.engines.runner import EngineRunner
-from serve_app.gc_heap import freeze_startup_heap
-from serve_app.logs import quiet_cancelled_requests, serve_log_file_kept, to_serve_logs
-from serve_app.metrics import engine_metrics
-from serve_app.protocol import EngineStats, KVEndpoint
+from serve_app.runtime.cpu_placement import keep_off_engine_cores
+from serve_app.runtime.gc_heap import freeze_startup_heap
+from serve_app.runtime.logs import quiet_cancelled_requests, serve_log_file_kept, to_serve_logs
+from serve_app.runtime.metrics import engine_metrics
+from serve_app.wire.protocol import EngineStats, KVEndpoint
 
 logger = logging.getLogger("pd_serve.engine")
 
@@ -55,12 +55,12 @@ def make_runner(spec: EngineSpec, engine_kwargs: dict[str, Any], endpoint: KVEnd
     """The engine behind a replica: vLLM's AsyncLLM, or the mock engine (``backend: mock``)."""
     pacer = StreamPacer(spec.stream_items_per_s)
     if spec.backend == "mock":
-        from serve_app.engines.mock import MockCosts, MockEngine
+        from serve_app.engines.mock_runner import MockCosts, MockEngine
 
         mock = engine_kwargs["mock"]
         costs = MockCosts(**mock["costs"], recv_timeout_s=float(mock.get("recv_timeout_s", 60.0)))
         return MockEngine(spec.name, spec.role, costs, endpoint, recompute=bool(mock.get("recompute", True)), pacer=pacer)
-    from serve_app.engines.engine import VLLMRunner
+    from serve_app.engines.vllm_runner import VLLMRunner
 
     return VLLMRunner(spec.name, spec.role, engine_kwargs, pacer)
 
@@ -128,7 +128,7 @@ class EngineServer:
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """This engine's load, as Serve custom autoscaling metrics (serve_app/autoscaling.py).
+        """This engine's load, as Serve custom autoscaling metrics (serve_app/config/autoscaling.py).
         On the replica's event loop, where the latencies are recorded (Serve would run a plain
         method in a thread)."""
         stats = self.runner.stats()

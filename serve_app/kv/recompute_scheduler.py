@@ -25,7 +25,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
-from serve_app.protocol import RECOMPUTED
+from serve_app.wire.protocol import RECOMPUTED
 
 logger = logging.getLogger("pd_serve.kv")
 

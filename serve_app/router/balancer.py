@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from serve_app.protocol import Role
+from serve_app.wire.protocol import Role
 
 
 @dataclass

@@ -28,16 +28,16 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.config import TimeoutsConfig
-from serve_app.logs import attempt_log_level
-from serve_app.metrics import RouterMetrics
-from serve_app.protocol import MOVED as MOVED_STOP
-from serve_app.protocol import EngineRejected, EngineRequest, KVEndpoint, KVReady, PrefillResult, Role, TokenDelta
+from serve_app.config.settings import TimeoutsConfig
 from serve_app.router.balancer import EngineLoad
 from serve_app.router.engine_client import EngineCallFailed, EngineUnreachable
 from serve_app.router.pool import EnginePool
 from serve_app.router.recompute import AttemptPlan, Phase
-from serve_app.sampling import encode_sampling
+from serve_app.runtime.logs import attempt_log_level
+from serve_app.runtime.metrics import RouterMetrics
+from serve_app.wire.protocol import MOVED as MOVED_STOP
+from serve_app.wire.protocol import EngineRejected, EngineRequest, KVEndpoint, KVReady, PrefillResult, Role, TokenDelta
+from serve_app.wire.sampling import encode_sampling
 
 logger = logging.getLogger("pd_serve.router")
 

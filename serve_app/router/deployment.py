@@ -17,16 +17,16 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app.autoscaling import CLIENT_REQUESTS
-from serve_app.config import load_config
-from serve_app.cpu_placement import keep_off_engine_cores
-from serve_app.engines.backends import engine_specs
-from serve_app.gc_heap import freeze_startup_heap
-from serve_app.logs import quiet_cancelled_requests, to_serve_logs
-from serve_app.metrics import router_metrics
+from serve_app.config.autoscaling import CLIENT_REQUESTS
+from serve_app.config.backends import engine_specs
+from serve_app.config.settings import load_config
 from serve_app.router.direct_http import authorized_operator, openai_call, serve_openai
 from serve_app.router.errors import error_body
 from serve_app.router.service import RouterService
+from serve_app.runtime.cpu_placement import keep_off_engine_cores
+from serve_app.runtime.gc_heap import freeze_startup_heap
+from serve_app.runtime.logs import quiet_cancelled_requests, to_serve_logs
+from serve_app.runtime.metrics import router_metrics
 
 http_app = FastAPI(title="pd-serve", docs_url=None, redoc_url=None)
 
@@ -152,7 +152,7 @@ class Router:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Client requests in progress on this replica: over its own HTTP server too, which
-        Serve's default signal does not see (serve_app/autoscaling.py)."""
+        Serve's default signal does not see (serve_app/config/autoscaling.py)."""
         return {CLIENT_REQUESTS: float(self.service.inflight)}
 
     def __del__(self) -> Any:

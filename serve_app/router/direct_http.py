@@ -21,9 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serve_app.http_server import InReplicaServer, listening_socket
 from serve_app.router.errors import OpenAIError, error_body
 from serve_app.router.service import RouterService
+from serve_app.runtime.http_server import InReplicaServer, listening_socket
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

@@ -16,9 +16,8 @@ import errno
 from collections.abc import AsyncIterator, Generator
 from typing import Any
 
-from serve_app.engine_wire import CONTENT_TYPE, CallError, FrameReader, Message, WireError, encode_request
-from serve_app.engines.call_server import GENERATE_PATH, RUN_PATH
-from serve_app.protocol import EngineCallEndpoint, EngineEvent, EngineRequest, PrefillResult, TokenDelta
+from serve_app.wire.frames import CONTENT_TYPE, GENERATE_PATH, RUN_PATH, CallError, FrameReader, Message, WireError, encode_request
+from serve_app.wire.protocol import EngineCallEndpoint, EngineEvent, EngineRequest, PrefillResult, TokenDelta
 
 # How long a finished stream may take to deliver the rest of its body (the end of the chunked
 # encoding, sent right after the last frame) before its connection is closed instead of reused.

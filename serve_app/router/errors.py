@@ -33,7 +33,7 @@ def error_kind(status: int) -> str:
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    from serve_app.compat import ErrorInfo, ErrorResponse
+    from serve_app.runtime.compat import ErrorInfo, ErrorResponse
 
     # A message or param can quote the client's own keys, which may hold lone surrogates: JSON
     # can escape them, UTF-8 cannot encode them (the response would fail as it is written).

@@ -13,9 +13,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from serve_app.protocol import TokenLogprob
 from serve_app.router.parsing import ParsedRequest
 from serve_app.router.recompute import Emission
+from serve_app.wire.protocol import TokenLogprob
 
 TokenText = Callable[[int], str]
 
@@ -106,7 +106,7 @@ class ResponseFramer:
             ChatCompletionStreamResponse,
         )
 
-        from serve_app.compat import DeltaMessage
+        from serve_app.runtime.compat import DeltaMessage
 
         choice = ChatCompletionResponseStreamChoice(
             index=0,
@@ -215,7 +215,7 @@ class ResponseFramer:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Any:
-    from serve_app.compat import UsageInfo
+    from serve_app.runtime.compat import UsageInfo
 
     return UsageInfo(
         prompt_tokens=prompt_tokens,

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from serve_app.protocol import EngineStats
+from serve_app.wire.protocol import EngineStats
 
 logger = logging.getLogger("pd_serve.router")
 

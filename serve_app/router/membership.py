@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.protocol import EngineCallEndpoint, KVEndpoint, Role
+from serve_app.wire.protocol import EngineCallEndpoint, KVEndpoint, Role
 
 logger = logging.getLogger("pd_serve.router")
 

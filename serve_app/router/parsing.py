@@ -277,7 +277,7 @@ def _validate(route: Route, body: dict[str, Any]) -> Any:
 def _client_errors() -> tuple[type[BaseException], ...]:
     """What vLLM raises for a bad request: its validators raise VLLMValidationError (not a
     ValueError on vLLM 0.32) straight through pydantic, and plain ValueErrors as pydantic errors."""
-    from serve_app.compat import CLIENT_ERRORS
+    from serve_app.runtime.compat import CLIENT_ERRORS
 
     return CLIENT_ERRORS
 
@@ -291,7 +291,7 @@ def _describe(err: dict[str, Any]) -> str:
 def _check_encodable(params: Any) -> None:
     """Numbers vLLM's models accept without a bound (top_k, token ids, logit_bias keys) must fit
     the engines' msgpack encoding; a 400 naming the field, not a failure at the engine call."""
-    from serve_app.sampling import encode_sampling
+    from serve_app.wire.sampling import encode_sampling
 
     try:
         encode_sampling(params)

@@ -26,11 +26,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.protocol import EngineCallEndpoint, EngineRequest, EngineStats, KVEndpoint, Role
 from serve_app.router.balancer import EngineLoad, ScoreFn, decode_score, prefill_score, select
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.leak_audit import LeakAudit
 from serve_app.router.membership import ReplicaInfo, diff
+from serve_app.wire.protocol import EngineCallEndpoint, EngineRequest, EngineStats, KVEndpoint, Role
 
 logger = logging.getLogger("pd_serve.router")
 

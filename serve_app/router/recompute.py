@@ -19,8 +19,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from serve_app.protocol import MOVED, RECOMPUTED, TokenDelta, TokenLogprob
 from serve_app.router.text import StopMatcher, TextStream
+from serve_app.wire.protocol import MOVED, RECOMPUTED, TokenDelta, TokenLogprob
 
 # Attempts that ended because their decode engine was being stopped (a pool shrinking, a
 # redeploy) do not count against max_attempts, up to this many: a move is not a failure.

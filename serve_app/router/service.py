@@ -22,10 +22,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serve_app.config import AppConfig
-from serve_app.engines.backends import BACKENDS
-from serve_app.metrics import RouterMetrics
-from serve_app.protocol import Role
+from serve_app.config.backends import BACKENDS
+from serve_app.config.settings import AppConfig
 from serve_app.router.cdcp import AttemptExecutor
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
@@ -35,6 +33,8 @@ from serve_app.router.membership import MEMBERSHIP
 from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
 from serve_app.router.pool import EnginePool
 from serve_app.router.session import ResponseSession
+from serve_app.runtime.metrics import RouterMetrics
+from serve_app.wire.protocol import Role
 
 logger = logging.getLogger("pd_serve.router")
 
@@ -250,7 +250,7 @@ class RouterService:
         return SessionStreamingResponse(sse_body(session, first, batches, outcome), stack.aclose)
 
     def models(self) -> dict[str, Any]:
-        from serve_app.compat import ModelCard, ModelList
+        from serve_app.runtime.compat import ModelCard, ModelList
 
         card = ModelCard(id=self.ctx.name, root=self.config.model, owned_by="pd-serve", max_model_len=self.ctx.max_model_len)
         return ModelList(data=[card]).model_dump(mode="json", exclude_none=True)

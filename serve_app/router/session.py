@@ -12,8 +12,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from serve_app.logs import attempt_log_level
-from serve_app.metrics import RouterMetrics
 from serve_app.router.cdcp import MOVED, AttemptExecutor, AttemptFailed, DeltaEvent, KVReadyEvent, PrefillDoneEvent
 from serve_app.router.engine_client import one_line
 from serve_app.router.errors import error_body
@@ -21,6 +19,8 @@ from serve_app.router.framing import ResponseFramer
 from serve_app.router.parsing import ParsedRequest
 from serve_app.router.recompute import Action, Emission, RecomputeStateMachine, Step
 from serve_app.router.text import DecodeTextStream, StopMatcher
+from serve_app.runtime.logs import attempt_log_level
+from serve_app.runtime.metrics import RouterMetrics
 
 logger = logging.getLogger("pd_serve.router")
 

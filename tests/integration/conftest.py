@@ -21,15 +21,15 @@ import pytest
 import requests
 import yaml
 
-from serve_app.engines.backends import KV_PORT_STRIDE
-from serve_app.ports import bindable, late_bound_ports
+from serve_app.config.backends import KV_PORT_STRIDE
+from serve_app.runtime.ports import bindable, late_bound_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
 
 
 # Ports the tests hand out for servers that bind them later (a router's HTTP port, once its
-# engines are up; a KV port block): from serve_app.ports, between Ray's worker ports and the
+# engines are up; a KV port block): from serve_app.runtime.ports, between Ray's worker ports and the
 # kernel's ephemeral range, where bind(0) and outgoing connections take ports (vLLM picks its
 # internal ports with bind(0), then binds them again later). With ports handed out by bind(0),
 # CI once saw a router's constructor fail three times and its app's deploy fail; a port taken

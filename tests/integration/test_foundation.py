@@ -36,7 +36,7 @@ def client(app) -> openai.OpenAI:
 def tokenizer(app):
     from transformers import AutoTokenizer
 
-    from serve_app.config import load_config
+    from serve_app.config.settings import load_config
 
     return AutoTokenizer.from_pretrained(load_config(app.args).model)
 
@@ -297,7 +297,7 @@ def _engine_core_and_worker(replica):
 
 @pytest.mark.parametrize("which", ["disaggregated", "colocated"])
 def test_engine_cores_share_their_workers_cores_and_replicas_keep_off_them(which, app, baseline_app):
-    """cpu_placement.py: every thread of an engine's EngineCore runs on its worker's cores; the
+    """runtime/cpu_placement.py: every thread of an engine's EngineCore runs on its worker's cores; the
     router and engine replicas run on the cores no engine is bound to, where there are any."""
     import os
 

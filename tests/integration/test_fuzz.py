@@ -127,7 +127,7 @@ def test_raw_and_oversized_bodies_get_an_openai_4xx(app, own_requests, path):
         check_raw(app, path, raw)
 
     fuzzed()
-    from serve_app.config import load_config
+    from serve_app.config.settings import load_config
 
     limit = load_config(app.args).router.http.max_body_bytes
     response = requests.post(app.base_url + path, data=oversized(limit), headers={"content-type": "application/json"}, timeout=30)

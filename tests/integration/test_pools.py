@@ -40,7 +40,7 @@ AUTOSCALED = {
             "look_back_period_s": 1,
             "metrics_interval_s": 0.25,
             # 2 requests per decode engine: 4 concurrent streams ask for 2 engines, 2 for one.
-            "policy": {"policy_function": "serve_app.autoscaling:DecodeLoadPolicy", "policy_kwargs": {"target_requests": 2}},
+            "policy": {"policy_function": "serve_app.config.autoscaling:DecodeLoadPolicy", "policy_kwargs": {"target_requests": 2}},
         },
     },
     "router": {"mode": "disaggregated", "num_cpus": 0.1, "max_attempts": 3, "timeouts": TIMEOUTS},

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from serve_app.protocol import EngineRequest, KVReady, TokenDelta
-from serve_app.sampling import encode_sampling
+from serve_app.wire.protocol import EngineRequest, KVReady, TokenDelta
+from serve_app.wire.sampling import encode_sampling
 from tests.integration.conftest import deployed, engine_handles, inspect, post, wait_idle
 
 pytestmark = pytest.mark.engine

@@ -18,12 +18,12 @@ from unittest import mock
 
 import ray.exceptions
 
-from serve_app.config import load_config
-from serve_app.engines.backends import engine_specs
+from serve_app.config.backends import engine_specs
+from serve_app.config.settings import load_config
 from serve_app.engines.decode import Decode
 from serve_app.engines.prefill import Prefill
-from serve_app.metrics import EngineMetrics, RouterMetrics
 from serve_app.router.service import RouterService
+from serve_app.runtime.metrics import EngineMetrics, RouterMetrics
 
 
 class NullMetric:

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from serve_app import ports
 from serve_app.kv.consumer import ConsumerWorker
 from serve_app.kv.metadata import LayerwiseMetadata, RecvSpec, Settings
 from serve_app.kv.wire import KIND_DONE, KIND_FAILED, KIND_LAYER, KVGeometry, encode_frame, tensor_bytes
+from serve_app.runtime import ports
 
 HOST = "127.0.0.1"
 BS = 4  # block size: easy arithmetic

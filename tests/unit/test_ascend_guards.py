@@ -16,8 +16,7 @@ import pytest
 import yaml
 
 from serve_app.app import build_app
-from serve_app.config import ConfigError, load_config
-from serve_app.engines.backends import (
+from serve_app.config.backends import (
     ASCEND,
     CPU,
     engine_specs,
@@ -25,6 +24,7 @@ from serve_app.engines.backends import (
     no_proxy_with_loopback,
     prepare_engine_environment,
 )
+from serve_app.config.settings import ConfigError, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SDIST = REPO_ROOT / ".cache" / "reference" / "vllm_ascend-0.23.0.post1.tar.gz"

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.config import load_config
-from serve_app.engines.backends import ASCEND, engine_specs, environment_problems
+from serve_app.config.backends import ASCEND, engine_specs, environment_problems
+from serve_app.config.settings import load_config
 from serve_app.router.cdcp import PREFILL_KV_KEYS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import logging
 
-from serve_app.config import load_config
-from serve_app.engines.backends import ASCEND as ASCEND_BACKEND
-from serve_app.engines.backends import KV_PORT_STRIDE, RECV_DEADLINE_MARGIN_S, engine_specs, prepare_engine_environment
-from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
+from serve_app.config.backends import ASCEND as ASCEND_BACKEND
+from serve_app.config.backends import KV_PORT_STRIDE, RECV_DEADLINE_MARGIN_S, engine_specs, prepare_engine_environment
+from serve_app.config.settings import load_config
+from serve_app.vllm_plugins.watchdog import ENV as WATCHDOG_ENV
 
 
 def specs_by_name(args):
@@ -120,7 +120,7 @@ def test_a_groups_resources_replace_the_default_for_placement():
 def test_the_shipped_ascend_config_loads_and_builds_engines():
     import yaml
 
-    from serve_app.config import REPO_ROOT
+    from serve_app.config.settings import REPO_ROOT
 
     doc = yaml.safe_load((REPO_ROOT / "configs" / "serve-ascend.yaml").read_text())
     (app,) = doc["applications"]
@@ -140,9 +140,9 @@ def test_cpu_defaults_bound_the_kv_cache_and_bind_threads():
         assert spec.engine_kwargs["dtype"] == "float32"
         assert spec.env["VLLM_HOST_IP"] == "127.0.0.1"
         # Engine processes spin briefly for their next step, and the core more briefly still for
-        # a forward (engines/spin.py); a group's env can change either.
+        # a forward (vllm_plugins/spin.py); a group's env can change either.
         assert float(spec.env["PD_SERVE_ENGINE_CORE_SPIN_S"]) < float(spec.env["PD_SERVE_ENGINE_SPIN_S"]) <= 0.01
-        # Its engine core runs on its workers' cores (engines/core_affinity.py).
+        # Its engine core runs on its workers' cores (vllm_plugins/core_affinity.py).
         assert spec.env["PD_SERVE_ENGINE_CORE_BIND"] == "1"
     binds = {spec.env["VLLM_CPU_OMP_THREADS_BIND"] for spec in specs.values()}
     assert len(binds) == min(2, __import__("os").cpu_count() or 1)
@@ -305,8 +305,8 @@ def test_each_role_is_one_deployment_scaled_by_serve_and_routed_by_pd_serve():
     assert prefill.num_replicas == 2 and prefill._deployment_config.autoscaling_config is None
     scaling = decode._deployment_config.autoscaling_config
     assert (scaling.min_replicas, scaling.max_replicas) == (1, 6)
-    assert scaling.policy.policy_function == "serve_app.autoscaling:DecodeLoadPolicy"
-    assert router._deployment_config.autoscaling_config.policy.policy_function == "serve_app.autoscaling:RouterLoadPolicy"
+    assert scaling.policy.policy_function == "serve_app.config.autoscaling:DecodeLoadPolicy"
+    assert router._deployment_config.autoscaling_config.policy.policy_function == "serve_app.config.autoscaling:RouterLoadPolicy"
     for deployment in engines.values():
         config = deployment._deployment_config
         assert config.request_router_config.request_router_class == ENGINE_REQUEST_ROUTER

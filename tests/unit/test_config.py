@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from serve_app.config import ConfigError, load_config
+from serve_app.config.settings import ConfigError, load_config
 from tests.integration.conftest import SERVE_YAML
 
 
@@ -67,12 +67,12 @@ def test_pools_take_serves_own_scaling_options():
     config = load_config(
         {"decode": {"num_replicas": "auto"}, "prefill": {"autoscaling_config": {"initial_replicas": 2, "max_replicas": 4}}}
     )
-    assert config.decode.serve_options("serve_app.autoscaling:DecodeLoadPolicy") == {
+    assert config.decode.serve_options("serve_app.config.autoscaling:DecodeLoadPolicy") == {
         "num_replicas": "auto",
-        "autoscaling_config": {"policy": {"policy_function": "serve_app.autoscaling:DecodeLoadPolicy"}},
+        "autoscaling_config": {"policy": {"policy_function": "serve_app.config.autoscaling:DecodeLoadPolicy"}},
     }
     assert config.prefill.initial_replicas == 2 and config.decode.initial_replicas == 1
-    own = {"policy_function": "serve_app.autoscaling:SLOPolicy", "policy_kwargs": {"ttft_p90_s": 0.5}}
+    own = {"policy_function": "serve_app.config.autoscaling:SLOPolicy", "policy_kwargs": {"ttft_p90_s": 0.5}}
     kept = load_config({"prefill": {"autoscaling_config": {"max_replicas": 4, "policy": own}}}).prefill.serve_options("x:Y")
     assert kept["autoscaling_config"]["policy"] == own and "num_replicas" not in kept
     # A config dumped (as the app hands it to its replicas) loads again unchanged.

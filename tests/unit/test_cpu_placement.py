@@ -1,5 +1,5 @@
-"""Where pd-serve's processes run (serve_app/cpu_placement.py): an EngineCore process of a CPU
-engine runs on its workers' cores, every thread of it (the plug-in engines/core_affinity.py), and
+"""Where pd-serve's processes run (serve_app/runtime/cpu_placement.py): an EngineCore process of a CPU
+engine runs on its workers' cores, every thread of it (the plug-in vllm_plugins/core_affinity.py), and
 nothing else moves; the router and engine replicas keep off the engines' cores where the host has
 others."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from serve_app.cpu_placement import engines_cpus, spare_cpus, workers_cpus
+from serve_app.runtime.cpu_placement import engines_cpus, spare_cpus, workers_cpus
 
 PROBE = """
 import multiprocessing, os, sys, threading, time
@@ -19,7 +19,7 @@ multiprocessing.current_process().name = sys.argv[1]  # as vLLM names its proces
 started = threading.Event()
 threading.Thread(target=lambda: (started.set(), time.sleep(30)), daemon=True).start()  # there before install
 started.wait()
-from serve_app.engines import core_affinity
+from serve_app.vllm_plugins import core_affinity
 core_affinity.install()
 later = threading.Thread(target=lambda: time.sleep(30), daemon=True)  # started after install
 later.start()
@@ -87,7 +87,7 @@ import os, sys, threading, time
 started = threading.Event()
 threading.Thread(target=lambda: (started.set(), time.sleep(30)), daemon=True).start()
 started.wait()
-from serve_app.cpu_placement import keep_off_engine_cores
+from serve_app.runtime.cpu_placement import keep_off_engine_cores
 cpus = keep_off_engine_cores({int(c) for c in sys.argv[1].split(",") if c}, "probe")
 masks = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
 print(sorted(cpus) if cpus is not None else None, sorted(masks), flush=True)

@@ -11,11 +11,11 @@ import json
 import aiohttp
 import pytest
 
-from serve_app.engine_wire import CallError, FrameReader, WireError, decode_request, encode_frame, encode_request
 from serve_app.engines.call_server import GENERATE_PATH, RUN_PATH
-from serve_app.protocol import EngineRejected, EngineRequest, KVReady, PrefillResult, TokenDelta, TokenLogprob
 from serve_app.router.cdcp import engine_gone
 from serve_app.router.engine_client import EngineCallFailed, EngineUnreachable
+from serve_app.wire.frames import CallError, FrameReader, WireError, decode_request, encode_frame, encode_request
+from serve_app.wire.protocol import EngineRejected, EngineRequest, KVReady, PrefillResult, TokenDelta, TokenLogprob
 from tests.unit.inprocess import App
 from tests.unit.test_orchestration import (
     PROMPT,
@@ -388,9 +388,9 @@ def test_a_body_nested_too_deep_is_a_400_without_a_traceback(caplog):
 def test_an_unreachable_engine_is_described_without_its_address_or_token():
     """A real refused connection: aiohttp's error text names the host and port, the OS error's
     text the address again; the engine client's error keeps the class and the errno's name."""
-    from serve_app.ports import free_port
-    from serve_app.protocol import EngineCallEndpoint
     from serve_app.router.engine_client import EngineClient
+    from serve_app.runtime.ports import free_port
+    from serve_app.wire.protocol import EngineCallEndpoint
 
     port = free_port()  # nothing listens there
     endpoint = EngineCallEndpoint(url=f"http://127.0.0.1:{port}", token="a-secret-token")
@@ -415,9 +415,9 @@ def test_an_answer_nested_too_deep_fails_the_call_not_the_router():
     (EngineCallFailed, the attempt retried elsewhere), not a RecursionError out of the client."""
     from aiohttp import web
 
-    from serve_app.engine_wire import LENGTH_BYTES
-    from serve_app.protocol import EngineCallEndpoint
     from serve_app.router.engine_client import EngineClient
+    from serve_app.wire.frames import LENGTH_BYTES
+    from serve_app.wire.protocol import EngineCallEndpoint
 
     payload = b"\x92\xa2kv\x81\xa6params" + b"\x81\xa1a" * 100_000 + b"\x01"  # ("kv", KVReady(params={"a": {"a": ...}}))
     frame = len(payload).to_bytes(LENGTH_BYTES, "big") + payload

@@ -13,15 +13,15 @@ import time
 import pytest
 
 from serve_app.engines.kv_endpoint import KVPortBusy, port_holder, settle_kv_endpoint
-from serve_app.engines.watchdog import ENV
-from serve_app.ports import late_bound_ports
+from serve_app.runtime.ports import late_bound_ports
+from serve_app.vllm_plugins.watchdog import ENV
 
 PARENT = textwrap.dedent(
     """
     import multiprocessing, os, sys, time
 
     def child():
-        from serve_app.engines.watchdog import install
+        from serve_app.vllm_plugins.watchdog import install
         install()
         time.sleep(60)
 
@@ -68,7 +68,7 @@ def test_an_engine_child_process_dies_with_its_parent(tmp_path, enabled):
 
 
 def test_the_watchdog_stays_out_of_processes_that_are_not_engine_children(monkeypatch):
-    import serve_app.engines.watchdog as watchdog
+    import serve_app.vllm_plugins.watchdog as watchdog
 
     monkeypatch.setattr(watchdog, "_started", False)
     monkeypatch.setenv(ENV, "1")

@@ -1,7 +1,7 @@
 import gc
 import weakref
 
-from serve_app.gc_heap import freeze_startup_heap
+from serve_app.runtime.gc_heap import freeze_startup_heap
 
 
 class Node:

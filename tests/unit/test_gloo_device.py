@@ -1,4 +1,4 @@
-"""The shared Gloo device plug-in (serve_app/engines/gloo_device.py), in fresh interpreters (it
+"""The shared Gloo device plug-in (serve_app/vllm_plugins/gloo_device.py), in fresh interpreters (it
 patches torch.distributed's module state): asked for, a process's Gloo groups keep one loop
 thread between them and still work, alone and across two ranks; not asked for, torch is left
 as it is."""
@@ -17,7 +17,7 @@ from tests.unit.kv_helpers import free_port
 PROBE = """
 import glob, os, sys
 import torch, torch.distributed as dist
-from serve_app.engines import gloo_device
+from serve_app.vllm_plugins import gloo_device
 
 def gloo_threads():
     return sum(1 for t in glob.glob("/proc/%d/task/*" % os.getpid()) if open(t + "/comm").read().startswith("gloo"))
@@ -84,7 +84,7 @@ def test_not_asked_for_torch_makes_a_device_per_group(tmp_path):
 
 
 def test_groups_share_devices_made_once_and_callers_own_options_are_kept(monkeypatch):
-    from serve_app.engines import gloo_device
+    from serve_app.vllm_plugins import gloo_device
 
     def fake_gloo() -> type:
         class FakeGloo:

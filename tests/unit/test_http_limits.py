@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from serve_app.http_server import InReplicaServer, listening_socket
+from serve_app.runtime.http_server import InReplicaServer, listening_socket
 
 
 def _post_in_one_write(port: int, size: int) -> tuple[int, bytes]:

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from serve_app.http_server import InReplicaServer, listening_socket
+from serve_app.runtime.http_server import InReplicaServer, listening_socket
 
 
 async def _echo(request: Request) -> JSONResponse:
@@ -99,7 +99,7 @@ class _RecordingTransport:
 
 
 def test_writes_of_one_loop_iteration_leave_in_one_write_and_close_sends_them_first():
-    from serve_app.http_server import CoalescingTransport
+    from serve_app.runtime.http_server import CoalescingTransport
 
     async def scenario() -> _RecordingTransport:
         raw = _RecordingTransport()

@@ -9,7 +9,7 @@ import logging
 import pytest
 from ray.exceptions import TaskCancelledError
 
-from serve_app.logs import LOGGER, quiet_cancelled_requests, to_serve_logs
+from serve_app.runtime.logs import LOGGER, quiet_cancelled_requests, to_serve_logs
 from tests.log_capture import RecordList
 
 

@@ -183,8 +183,8 @@ def test_a_connection_the_server_closed_is_replaced_at_once():
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from serve_app.http_server import InReplicaServer, listening_socket
     from serve_app.kv.scheduler_side import KeptAliveConnections
+    from serve_app.runtime.http_server import InReplicaServer, listening_socket
 
     received: list[dict] = []
 

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from vllm import SamplingParams
 
-from serve_app.engines.mock import MockCosts, MockEngine
-from serve_app.protocol import EngineRequest
-from serve_app.sampling import encode_sampling
+from serve_app.engines.mock_runner import MockCosts, MockEngine
+from serve_app.wire.protocol import EngineRequest
+from serve_app.wire.sampling import encode_sampling
 
 
 def test_an_ending_while_the_consumer_is_away_still_reaches_it() -> None:

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from serve_app.engines.mock import _Sequence
-from serve_app.protocol import EngineStats
+from serve_app.engines.mock_runner import _Sequence
 from serve_app.router.leak_audit import Discrepancy, LeakAudit, discrepancy
+from serve_app.wire.protocol import EngineStats
 from tests.log_capture import RecordList
 from tests.unit.inprocess import App, recording_router_metrics
 from tests.unit.test_orchestration import args, completion

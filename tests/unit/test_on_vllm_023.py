@@ -49,7 +49,7 @@ def test_the_ascend_path_imports_on_vllm_023_without_the_cpu_plugins():
     probe = (
         "import sys, vllm\n"
         "import serve_app.app, serve_app.router.deployment, serve_app.router.service\n"
-        "import serve_app.engines.decode, serve_app.engines.prefill, serve_app.engines.engine\n"
+        "import serve_app.engines.decode, serve_app.engines.prefill, serve_app.engines.vllm_runner\n"
         "print(vllm.__version__)\n"
         "print(sorted(m for m in sys.modules if m.startswith('serve_app.kv')))\n"
     )

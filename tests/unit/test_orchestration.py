@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from serve_app.engines.mock import next_token
-from serve_app.metrics import RouterMetrics
+from serve_app.engines.mock_runner import next_token
 from serve_app.router.service import Outcome, sse_body
+from serve_app.runtime.metrics import RouterMetrics
 from tests.unit.inprocess import MOCK_ARGS, App, recording_router_metrics
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -458,7 +458,7 @@ def test_tokens_without_kv_ready_when_decode_needs_no_transfer(engines_without_r
 
 
 def test_an_engine_rejection_is_a_400_and_not_retried(engines_without_ray, tiny_tokenizer):
-    from serve_app.protocol import EngineRejected
+    from serve_app.wire.protocol import EngineRejected
 
     async def body(app: App) -> None:
         for name, engine in app.engines.items():
@@ -663,7 +663,7 @@ def test_an_in_replica_server_listens_and_stops():
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
-    from serve_app.http_server import InReplicaServer, listening_socket
+    from serve_app.runtime.http_server import InReplicaServer, listening_socket
 
     async def main() -> None:
         app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))])

@@ -11,11 +11,11 @@ from vllm import SamplingParams
 from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.stats import IterationStats, RequestStateStats
 
-from serve_app.engines.engine import _LoadTracker
-from serve_app.engines.mock import MockCosts, MockEngine
+from serve_app.engines.mock_runner import MockCosts, MockEngine
 from serve_app.engines.pacing import FinishSignal, StreamPacer
-from serve_app.protocol import EngineRequest
-from serve_app.sampling import encode_sampling
+from serve_app.engines.vllm_runner import _LoadTracker
+from serve_app.wire.protocol import EngineRequest
+from serve_app.wire.sampling import encode_sampling
 
 
 def test_a_hold_lasts_its_time_unless_the_request_finishes():

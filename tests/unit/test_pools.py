@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from serve_app import autoscaling
+from serve_app.config import autoscaling
 from serve_app.engines.load_report import LatencyWindow
-from serve_app.protocol import EngineStats
 from serve_app.router.membership import Membership, ReplicaInfo, diff
 from serve_app.router.pool import EnginePool
 from serve_app.router.replica_router import EngineRequestRouter, pinned_replica
+from serve_app.wire.protocol import EngineStats
 
 
 # ---------------------------------------------------------------------------- policies
@@ -72,9 +72,9 @@ def test_a_policy_is_what_serve_runs_from_the_config():
     from ray.serve._private.autoscaling_state import _resolve_policy_callable
     from ray.serve.config import AutoscalingConfig
 
-    from serve_app.config import load_config
+    from serve_app.config.settings import load_config
 
-    policy = {"policy_function": "serve_app.autoscaling:SLOPolicy", "policy_kwargs": {"itl_p90_s": 0.05}}
+    policy = {"policy_function": "serve_app.config.autoscaling:SLOPolicy", "policy_kwargs": {"itl_p90_s": 0.05}}
     config = load_config({"decode": {"autoscaling_config": {"max_replicas": 4, "policy": policy}}})
     serve_config = AutoscalingConfig(**config.decode.serve_options(None)["autoscaling_config"])
     resolved = _resolve_policy_callable(serve_config.policy)

@@ -2,8 +2,8 @@ import socket
 
 import pytest
 
-from serve_app import ports
-from serve_app.ports import bindable, ephemeral_port_range, free_port, late_bound_ports
+from serve_app.runtime import ports
+from serve_app.runtime.ports import bindable, ephemeral_port_range, free_port, late_bound_ports
 
 
 def test_free_ports_lie_between_rays_worker_ports_and_the_ephemeral_range_and_can_be_bound():

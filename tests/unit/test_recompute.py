@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.protocol import MOVED, RECOMPUTED, TokenDelta, TokenLogprob
 from serve_app.router.errors import OpenAIError
 from serve_app.router.framing import ResponseFramer
 from serve_app.router.parsing import ModelContext, parse_request
 from serve_app.router.recompute import MAX_FREE_MOVES, Action, Phase, RecomputeStateMachine
 from serve_app.router.text import StopMatcher
+from serve_app.wire.protocol import MOVED, RECOMPUTED, TokenDelta, TokenLogprob
 
 
 class LetterStream:

@@ -33,9 +33,9 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from serve_app.config import DEFAULT_MODEL_DIR
+from serve_app.config.settings import DEFAULT_MODEL_DIR
 from serve_app.kv.recompute_scheduler import RecomputeScheduler
-from serve_app.protocol import RECOMPUTED
+from serve_app.wire.protocol import RECOMPUTED
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 256

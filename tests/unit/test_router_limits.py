@@ -23,9 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from serve_app.http_server import InReplicaServer, listening_socket
 from serve_app.router.direct_http import openai_app, read_body
 from serve_app.router.errors import OpenAIError
+from serve_app.runtime.http_server import InReplicaServer, listening_socket
 from tests.unit.inprocess import MOCK_ARGS, App
 
 BIG = 2**64 + 5

@@ -1,4 +1,4 @@
-"""Both engines behind a replica, vLLM's (engines/engine.py) and the mock (engines/mock.py), have
+"""Both engines behind a replica, vLLM's (engines/vllm_runner.py) and the mock (engines/mock_runner.py), have
 the methods of the runner Protocol (engines/runner.py) with its parameters, and the kind of each
 (coroutine, async generator, plain): a runner that drifts from the seam fails here."""
 
@@ -8,9 +8,9 @@ import inspect
 
 import pytest
 
-from serve_app.engines.engine import VLLMRunner
-from serve_app.engines.mock import MockEngine
+from serve_app.engines.mock_runner import MockEngine
 from serve_app.engines.runner import EngineRunner
+from serve_app.engines.vllm_runner import VLLMRunner
 
 METHODS = [name for name, member in vars(EngineRunner).items() if callable(member) and not name.startswith("_")]
 

@@ -1,4 +1,4 @@
-"""The engine spin plug-in (serve_app/engines/spin.py), in a fresh interpreter (it patches vLLM's
+"""The engine spin plug-in (serve_app/vllm_plugins/spin.py), in a fresh interpreter (it patches vLLM's
 module state): it bounds the readers' spin and their recheck interval, gives the engine core its
 own bound, and keeps every wake-up a writer sends, only when asked to."""
 
@@ -11,7 +11,7 @@ import sys
 PROBE = """
 import multiprocessing, os, sys, time
 import zmq
-from serve_app.engines import spin
+from serve_app.vllm_plugins import spin
 from vllm.distributed.device_communicators import shm_broadcast as shm
 spin.install()
 multiprocessing.current_process().name = sys.argv[1]  # as vLLM names its processes
@@ -48,7 +48,7 @@ def probe(spin: str | None, core_spin: str | None = None, process_name: str = "V
 
 
 def test_the_plugin_bounds_the_spin_and_the_recheck_of_pd_serve_engines():
-    from serve_app.engines.spin import RECHECK_MS
+    from serve_app.vllm_plugins.spin import RECHECK_MS
 
     busy_loop_s, recheck_ms, _ = probe("0.005")
     assert busy_loop_s == 0.005

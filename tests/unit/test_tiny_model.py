@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from serve_app.config import DEFAULT_MODEL_DIR
+from serve_app.config.settings import DEFAULT_MODEL_DIR
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_tiny_model.py"
 

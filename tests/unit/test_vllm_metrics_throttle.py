@@ -1,4 +1,4 @@
-"""The scheduler-stats throttle in front of vLLM's Ray stat logger (engines/vllm_metrics.py):
+"""The scheduler-stats throttle in front of vLLM's Ray stat logger (vllm_plugins/stat_logger.py):
 fewer gauge updates, no lost counts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ try:  # hits by source: newer vLLM only (0.23, on the Ascend path, has none)
 except ImportError:
     CacheHitSource = None
 
-from serve_app.engines.vllm_metrics import SchedulerStatsThrottle
+from serve_app.vllm_plugins.stat_logger import SchedulerStatsThrottle
 
 
 def step(running: int, queries: int = 0, hits: int = 0, **extra) -> SchedulerStats:

@@ -34,7 +34,7 @@ class TokenLogprob:
 class EngineRequest:
     """One attempt's work for one engine.
 
-    ``sampling_params`` is a ``vllm.SamplingParams``, msgpack-encoded (``serve_app.sampling``); ``request_id``
+    ``sampling_params`` is a ``vllm.SamplingParams``, msgpack-encoded (``serve_app.wire.sampling``); ``request_id``
     is the attempt id, unique per attempt and never reused, because an engine refuses a
     duplicate id and a late abort must not hit a later attempt.
     """

@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
-from serve_app.compat import CLIENT_ERRORS
 from serve_app.engines.pacing import FinishSignal, StreamPacer
 from serve_app.engines.records import Recent, TransferRecords
-from serve_app.engines.vllm_metrics import ray_stat_logger
-from serve_app.protocol import EngineRejected, EngineRequest, EngineStats, Role, TokenDelta, TokenLogprob
-from serve_app.sampling import decode_sampling
+from serve_app.runtime.compat import CLIENT_ERRORS
+from serve_app.vllm_plugins.stat_logger import ray_stat_logger
+from serve_app.wire.protocol import EngineRejected, EngineRequest, EngineStats, Role, TokenDelta, TokenLogprob
+from serve_app.wire.sampling import decode_sampling
 
 logger = logging.getLogger("pd_serve.engine")
 

@@ -45,9 +45,9 @@ CLIENT_REQUESTS = "pd_client_requests"  # router: client requests in progress
 LATENCY_WINDOW_S = 30.0
 
 DEFAULT_POLICY = {
-    "decode": "serve_app.autoscaling:DecodeLoadPolicy",
-    "prefill": "serve_app.autoscaling:PrefillLoadPolicy",
-    "router": "serve_app.autoscaling:RouterLoadPolicy",
+    "decode": "serve_app.config.autoscaling:DecodeLoadPolicy",
+    "prefill": "serve_app.config.autoscaling:PrefillLoadPolicy",
+    "router": "serve_app.config.autoscaling:RouterLoadPolicy",
 }
 
 

@@ -12,9 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from serve_app.engines.pacing import DEFAULT_ITEMS_PER_S
+# Items per second an engine replica streams, all its requests together (engines/pacing.py).
+DEFAULT_ITEMS_PER_S = 400.0
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-llama"
 
 
@@ -26,7 +27,7 @@ class ScalingConfig(_Strict):
     """How many replicas a deployment runs, in Ray Serve's own terms: a fixed ``num_replicas``, or
     ``num_replicas: auto`` and/or an ``autoscaling_config`` (Serve's schema, checked by Serve's own
     model). Where the autoscaling config names no policy, pd-serve's load policy for the
-    deployment's role fills it in (serve_app/autoscaling.py): Serve's default counts the requests
+    deployment's role fills it in (serve_app/config/autoscaling.py): Serve's default counts the requests
     that pass through its handles, which the router's calls to engines do not."""
 
     # None: one replica, or the autoscaling_config's count (a dumped config loads again as it was).
@@ -300,7 +301,7 @@ class AppConfig(_Strict):
         "spare",
         description=(
             "cpu backend: 'spare' runs the router and engine replicas on the cores no engine's threads are "
-            "bound to, when the host has any (cpu_placement.py); 'all' lets them run anywhere"
+            "bound to, when the host has any (runtime/cpu_placement.py); 'all' lets them run anywhere"
         ),
     )
     stream_items_per_s: float = Field(

@@ -3,7 +3,7 @@
 vLLM binds each CPU engine's worker threads to cores (``VLLM_CPU_OMP_THREADS_BIND``; pd-serve's
 ``cpu_bind`` chooses them). Two rules follow from how the processes take turns:
 
-* an engine's EngineCore runs on its workers' cores (``engines/core_affinity.py``): the two
+* an engine's EngineCore runs on its workers' cores (``vllm_plugins/core_affinity.py``): the two
   alternate every step, and a core running elsewhere queued for a CPU at every step;
 * the router and engine replicas run on the cores no engine is bound to, when the host has any
   (``replica_cpus: spare``): a replica on an engine's core preempts that engine's forward.

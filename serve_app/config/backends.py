@@ -17,20 +17,19 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from serve_app.config import AppConfig, EngineGroupConfig
-from serve_app.cpu_placement import engines_cpus
-from serve_app.engines.core_affinity import ENV as CORE_BIND_ENV
-from serve_app.engines.gloo_device import ENV as SHARED_GLOO_DEVICE_ENV
-from serve_app.engines.pacing import DEFAULT_ITEMS_PER_S
-from serve_app.engines.spin import CORE_ENV as CORE_SPIN_ENV
-from serve_app.engines.spin import ENV as SPIN_ENV
-from serve_app.engines.watchdog import ENV as WATCHDOG_ENV
-from serve_app.protocol import Role
+from serve_app.config.settings import DEFAULT_ITEMS_PER_S, AppConfig, EngineGroupConfig
+from serve_app.runtime.cpu_placement import engines_cpus
+from serve_app.vllm_plugins.core_affinity import ENV as CORE_BIND_ENV
+from serve_app.vllm_plugins.gloo_device import ENV as SHARED_GLOO_DEVICE_ENV
+from serve_app.vllm_plugins.spin import CORE_ENV as CORE_SPIN_ENV
+from serve_app.vllm_plugins.spin import ENV as SPIN_ENV
+from serve_app.vllm_plugins.watchdog import ENV as WATCHDOG_ENV
+from serve_app.wire.protocol import Role
 
 logger = logging.getLogger("pd_serve.engine")
 
 MiB = 1 << 20
-# How long a CPU engine's processes spin for their next step before sleeping (engines/spin.py).
+# How long a CPU engine's processes spin for their next step before sleeping (vllm_plugins/spin.py).
 ENGINE_SPIN_S = 0.005
 # How long an engine core spins for its workers' results (a forward) before sleeping.
 ENGINE_CORE_SPIN_S = 0.0001
@@ -191,7 +190,7 @@ class EngineSpec:
     # Ray custom resources of the replica (its accelerators, placement labels).
     resources: dict[str, float] = field(default_factory=dict)
     # Cores the replica keeps off once its engine has started: every engine's bound cores
-    # (cpu_placement.py); empty: it runs anywhere.
+    # (runtime/cpu_placement.py); empty: it runs anywhere.
     engines_cores: tuple[int, ...] = ()
     # Whether the replica takes the router's calls over its own HTTP endpoint too
     # (router.engine_transport: http, engines/call_server.py).
@@ -219,7 +218,7 @@ class PoolSpec:
     kv_connector: str | None = None
 
     def for_rank(self, rank: int, unique_id: str = "") -> EngineSpec:
-        from serve_app.config import load_config
+        from serve_app.config.settings import load_config
 
         spec = replica_spec(load_config(self.config), self.role, rank, unique_id, index_base=self.index_base)
         spec = replace(spec, engines_cores=self.engines_cores)
@@ -262,7 +261,7 @@ def replica_spec(config: AppConfig, role: Role, rank: int, unique_id: str = "", 
         env["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(group.cpu_bind, rank, index, ncores)
         if env["VLLM_CPU_OMP_THREADS_BIND"] != "nobind":
             # The engine core takes turns with its workers: it runs on their cores
-            # (engines/core_affinity.py).
+            # (vllm_plugins/core_affinity.py).
             env[CORE_BIND_ENV] = "1"
     env.update(group.env)
     engine_id = f"{name}-{unique_id}" if unique_id else name

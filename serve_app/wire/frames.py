@@ -16,13 +16,16 @@ from dataclasses import dataclass
 
 import msgspec
 
-from serve_app.protocol import EngineEvent, EngineRejected, EngineRequest, KVReady, PrefillResult, TokenDelta
+from serve_app.wire.protocol import EngineEvent, EngineRejected, EngineRequest, KVReady, PrefillResult, TokenDelta
 
 LENGTH_BYTES = 4
 # A frame longer than this is not one of ours (a delta of a few hundred tokens with logprobs is
 # tens of kB): the stream is broken, not a request to buffer it.
 MAX_FRAME_BYTES = 64 << 20
 CONTENT_TYPE = "application/x-pd-serve-frames"
+# The engine call endpoint's two paths: a streamed call (prefill or decode) and a unary one.
+GENERATE_PATH = "/generate"
+RUN_PATH = "/run"
 
 _KINDS: dict[type, str] = {KVReady: "kv", TokenDelta: "delta", EngineRejected: "rejected", PrefillResult: "result"}
 _DECODERS: dict[str, msgspec.msgpack.Decoder] = {kind: msgspec.msgpack.Decoder(cls) for cls, kind in _KINDS.items()}

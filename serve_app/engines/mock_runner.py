@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 
 from serve_app.engines.pacing import FinishSignal, StreamPacer
 from serve_app.engines.records import Recent, TransferRecords
-from serve_app.protocol import RECOMPUTED, EngineRequest, EngineStats, KVEndpoint, Role, TokenDelta, TokenLogprob
-from serve_app.sampling import sampling_fields
+from serve_app.wire.protocol import RECOMPUTED, EngineRequest, EngineStats, KVEndpoint, Role, TokenDelta, TokenLogprob
+from serve_app.wire.sampling import sampling_fields
 
 logger = logging.getLogger("pd_serve.engine")
 

@@ -2,7 +2,7 @@
 
 vLLM binds a CPU engine's worker threads to cores (``VLLM_CPU_OMP_THREADS_BIND``) and lets its
 EngineCore process run anywhere. The two take turns, every step: the worker computes the forward
-while the core sleeps (engines/spin.py), then the core reads the output, schedules the next step
+while the core sleeps (vllm_plugins/spin.py), then the core reads the output, schedules the next step
 and hands it over while the worker waits. A free-running core, woken for that turn, queues for a
 CPU behind whatever else runs there: on a small host the router, the engine replicas, the other
 engine and Ray, so every decode step waits for it. On its workers' own cores the only other thread
@@ -25,7 +25,7 @@ import logging
 import multiprocessing
 import os
 
-from serve_app.cpu_placement import BIND_ENV, bind_process, workers_cpus
+from serve_app.runtime.cpu_placement import BIND_ENV, bind_process, workers_cpus
 
 logger = logging.getLogger("pd_serve.engine")
 
