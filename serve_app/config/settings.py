@@ -178,7 +178,7 @@ class TimeoutsConfig(_Strict):
 
     kv_ready_s: float = Field(30.0, gt=0, description="decode admit -> KVReady (metaserver callback)")
     prefill_s: float = Field(60.0, gt=0, description="prefill call -> prefill done")
-    first_token_s: float = Field(120.0, gt=0, description="attempt start -> first token")
+    first_token_s: float = Field(120.0, gt=0, description="attempt start (colocated) or prefill done -> first token")
     request_s: float = Field(600.0, gt=0, description="whole client request")
 
 

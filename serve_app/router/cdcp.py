@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.config.settings import TimeoutsConfig
+from serve_app.router.attempt_phase import WAITING_FOR, AttemptPhase, PhaseEvent, advance, allowed, prefill_running
 from serve_app.router.balancer import EngineLoad
 from serve_app.router.engine_client import EngineCallFailed, EngineUnreachable
 from serve_app.router.pool import EnginePool
-from serve_app.router.recompute import AttemptPlan, Phase
+from serve_app.router.recompute import AttemptPlan
 from serve_app.runtime.logs import attempt_log_level
 from serve_app.runtime.metrics import RouterMetrics
 from serve_app.wire.protocol import MOVED as MOVED_STOP
@@ -63,14 +64,6 @@ PREFILL_KV_KEYS = frozenset(
         "transfer_secret",
     }
 )
-
-# What the attempt waits for in each phase, for the timeout message.
-WAITING_FOR = {
-    Phase.AWAITING_KV: "KVReady",
-    Phase.PREFILLING: "prefill",
-    Phase.DECODING: "the first token",
-}
-
 
 @dataclass
 class KVReadyEvent:
@@ -215,14 +208,22 @@ class AttemptRun:
         self.next_item: asyncio.Future | None = None
         self.started = time.monotonic()
         self.prefill_started = 0.0
-        self.phase = Phase.AWAITING_KV if plan.disaggregated else Phase.DECODING
-        timeouts = executor.timeouts
-        self.deadline: float | None = self.started + (timeouts.kv_ready_s if plan.disaggregated else timeouts.first_token_s)
+        # The phase and its deadline move only through ``_advance`` (router/attempt_phase.py).
+        self.phase = AttemptPhase.STARTING
+        self.deadline: float | None = None
+        self._advance(PhaseEvent.OPEN_DISAGGREGATED if plan.disaggregated else PhaseEvent.OPEN_COLOCATED)
         # Set when Serve starts stopping the decode engine (the pool's ``watch``): the attempt
         # ends at once, as a move, and the request resumes on another decode engine.
         self.leaving = False
         self._read_scope: asyncio.Timeout | None = None
         self._left: asyncio.Future | None = None
+
+    def _advance(self, event: PhaseEvent) -> None:
+        self.phase, self.deadline = advance(self.phase, event, self.deadline, time.monotonic(), self.executor.timeouts)
+
+    def _protocol_error(self, problem: str) -> AttemptFailed:
+        logger.warning("attempt %s: the decode engine broke the protocol: %s", self.plan.attempt_id, problem)
+        return AttemptFailed("the decode engine broke the protocol", True, self.decode, 502, "protocol", problem)
 
     def decode_leaving(self) -> None:
         """The decode engine is leaving: wake whatever wait the attempt is in."""
@@ -312,7 +313,7 @@ class AttemptRun:
     def _timed_out(self) -> AttemptFailed:
         if self.request_deadline is not None and time.monotonic() >= self.request_deadline:
             return AttemptFailed("the request timed out", False, None, 504, "request_timeout")
-        engine = self.prefill if self.phase is Phase.PREFILLING else self.decode
+        engine = self.prefill if prefill_running(self.phase) else self.decode
         return AttemptFailed(f"timed out waiting for {WAITING_FOR[self.phase]}", True, engine, 504, "timeout")
 
     def _prefill_outcome(self) -> AttemptEvent:
@@ -326,9 +327,7 @@ class AttemptRun:
             return AttemptFailed(reason, True, self.prefill, 502, "prefill", detail)
         self.executor.metrics.prefill.observe(time.monotonic() - self.prefill_started)
         self.prefill_lease.close()  # its prompt is no longer queued on that engine
-        if self.phase is Phase.PREFILLING:
-            self.phase = Phase.DECODING
-            self.deadline = time.monotonic() + self.executor.timeouts.first_token_s
+        self._advance(PhaseEvent.PREFILL_DONE)
         return PrefillDoneEvent(self.prefill, task.result())
 
     async def _decode_item(self, item: Any, error: BaseException | None) -> AsyncIterator[AttemptEvent]:
@@ -342,6 +341,9 @@ class AttemptRun:
             yield AttemptFailed(reason, True, self.decode, 502, "decode", detail)
             return
         if isinstance(item, KVReady):
+            if not allowed(self.phase, PhaseEvent.KV_READY):  # a second one: never a second prefill
+                yield self._protocol_error(f"a KVReady while {self.phase.value}")
+                return
             self.executor.metrics.kv_ready.observe(time.monotonic() - self.started)
             problem = kv_ready_mismatch(item.params, self.executor.pool.kv_endpoint(self.decode), self.executor.kv_ready_checks)
             if problem is not None:
@@ -369,16 +371,13 @@ class AttemptRun:
                 # The engine is being stopped (it says so before Serve's list does): choose it
                 # for nothing new.
                 self.executor.pool.drain(self.decode)
+            self._advance(PhaseEvent.TOKENS)  # every phase past the start takes tokens
             yield DeltaEvent(item, self.decode)
-            # Tokens flow; from here only the request's own deadline applies.
-            if self.phase is not Phase.PREFILLING:
-                self.phase, self.deadline = Phase.DECODING, None
 
     def _start_prefill(self, prefill: EngineLoad, kv_params: dict[str, Any]) -> None:
         self.prefill = prefill.name
         self.prefill_started = time.monotonic()
-        self.phase = Phase.PREFILLING
-        self.deadline = self.prefill_started + self.executor.timeouts.prefill_s
+        self._advance(PhaseEvent.KV_READY)
         params = {k: v for k, v in kv_params.items() if k in PREFILL_KV_KEYS}
         request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params)
         self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))

@@ -8,10 +8,11 @@ is what is left of ``max_tokens``. Budgets are counted in tokens, never in chunk
 never re-tokenized from text, so greedy output with recomputes equals greedy output without them,
 token for token.
 
-Phases: ``dispatch -> awaiting_kv -> prefilling -> decoding -> finished`` for a disaggregated
-attempt (a colocated attempt goes ``dispatch -> decoding``), and ``decoding -> dispatch`` on a
-retry. The caller executes each attempt and feeds what happens back in; the machine answers with
-what to release to the client and whether to continue, retry or finish.
+The request's state: ``dispatch -> attempting -> finished``, and ``attempting -> dispatch`` on a
+retry. Where an attempt is within itself (waiting for KV, prefilling, decoding) is the attempt's
+own phase (router/attempt_phase.py), not the request's. The caller executes each attempt and
+feeds its tokens and its failure back in; the machine answers with what to release to the client
+and whether to continue, retry or finish.
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ RETRYABLE_FINISH_REASONS = frozenset({"abort", "error"})
 
 
 class Phase(str, enum.Enum):
-    DISPATCH = "dispatch"
-    AWAITING_KV = "awaiting_kv"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
+    DISPATCH = "dispatch"  # between attempts: the next one is to start
+    ATTEMPTING = "attempting"
     FINISHED = "finished"
 
 
@@ -149,7 +148,7 @@ class RecomputeStateMachine:
 
     # ------------------------------------------------------------------ transitions
     def start_attempt(self, disaggregated: bool) -> AttemptPlan:
-        """dispatch -> awaiting_kv (disaggregated) or decoding (colocated)."""
+        """dispatch -> attempting."""
         self._expect(Phase.DISPATCH)
         assert self.remaining > 0 and self.counted_attempts < self.max_attempts
         self.attempts += 1
@@ -164,28 +163,14 @@ class RecomputeStateMachine:
             avoid=avoid,
             min_tokens=max(0, self.min_tokens - len(self.output_token_ids)),
         )
-        self.phase = Phase.AWAITING_KV if disaggregated else Phase.DECODING
+        self.phase = Phase.ATTEMPTING
         return self.current
-
-    def kv_ready(self) -> None:
-        """awaiting_kv -> prefilling: the decode engine holds blocks; prefill may start."""
-        self._expect(Phase.AWAITING_KV)
-        self.phase = Phase.PREFILLING
-
-    def prefill_done(self) -> None:
-        """prefilling -> decoding (tokens may already have moved it there)."""
-        if self.phase is Phase.PREFILLING:
-            self.phase = Phase.DECODING
 
     def on_delta(self, delta: TokenDelta, engine: str | None = None) -> Step:
         """Tokens (and maybe the end) of the current attempt's decode stream."""
         if self.phase is Phase.FINISHED:
             return Step(Action.FINISH, Emission())
-        if self.phase is Phase.DISPATCH:
-            raise RuntimeError(f"{self.request_id}: tokens without an attempt")
-        # A decode engine that had the whole prompt cached locally needs no KV and sends tokens
-        # without a KVReady; any token means the attempt is decoding.
-        self.phase = Phase.DECODING
+        self._expect(Phase.ATTEMPTING)
         if engine is not None:
             self._last_engine = engine
         emission = Emission(logprobs=[] if self._want_logprobs else None)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from serve_app.router.cdcp import MOVED, AttemptExecutor, AttemptFailed, DeltaEvent, KVReadyEvent, PrefillDoneEvent
+from serve_app.router.cdcp import MOVED, AttemptEvent, AttemptExecutor, AttemptFailed, DeltaEvent, KVReadyEvent, PrefillDoneEvent
 from serve_app.router.engine_client import one_line
 from serve_app.router.errors import error_body
 from serve_app.router.framing import ResponseFramer
@@ -159,26 +159,31 @@ class ResponseSession:
         finally:
             self._observe_end()
 
-    def _step(self, event: Any) -> Step | None:
+    def _step(self, event: AttemptEvent) -> Step | None:
         """The state machine's answer to the attempt's next event (None: nothing to answer)."""
         machine = self.machine
-        if isinstance(event, KVReadyEvent):
-            machine.kv_ready()
-            return None
-        if isinstance(event, PrefillDoneEvent):
-            self._engines.setdefault(event.engine, None)
-            machine.prefill_done()
-            return None
-        if isinstance(event, DeltaEvent):
-            self._engines.setdefault(event.engine, None)
-            step = machine.on_delta(event.delta, event.engine)
-            if step.moved:
+        match event:
+            case KVReadyEvent():  # the attempt's own phase (cdcp.AttemptRun); nothing for the request
+                return None
+            case PrefillDoneEvent(engine=engine):
+                self._engines.setdefault(engine, None)
+                return None
+            case DeltaEvent(delta=delta, engine=engine):
+                self._engines.setdefault(engine, None)
+                step = machine.on_delta(delta, engine)
+                if step.moved:
+                    self._log_move(engine)
+                return step
+            case AttemptFailed(kind=kind) if kind == MOVED:  # not a failure: the request resumes on another decode engine
                 self._log_move(event.engine)
-            return step
-        assert isinstance(event, AttemptFailed)
-        if event.kind == MOVED:  # not a failure: the request resumes on another decode engine
-            self._log_move(event.engine)
-            return machine.on_attempt_failed(event.reason, True, event.engine, event.status, moved=True)
+                return machine.on_attempt_failed(event.reason, True, event.engine, event.status, moved=True)
+            case AttemptFailed():
+                return self._failed(event)
+            case _:
+                raise TypeError(f"not an attempt event: {event!r}")
+
+    def _failed(self, event: AttemptFailed) -> Step:
+        machine = self.machine
         self.metrics.errors.inc(tags={"kind": event.kind})
         # The log names the engine and the failure's detail (the operator's); the client, if this
         # ends its response, reads event.reason alone (cdcp.AttemptFailed).

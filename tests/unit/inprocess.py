@@ -95,6 +95,7 @@ class Faults:
     stream_raises_after: int | None = None  # ... or raises stream_error after this many items
     stream_error: Callable[[], BaseException] = _dead
     hang: bool = False  # a call never answers
+    repeat_item: int | None = None  # a streaming call sends its item of this number (1-based) twice
     calls: list[str] = field(default_factory=list)
 
 
@@ -105,6 +106,7 @@ class FakeStream:
         self._gen = gen
         self._faults = faults
         self._items = 0
+        self._last: Any = None
         self.cancelled = False
 
     def __aiter__(self) -> FakeStream:
@@ -124,8 +126,12 @@ class FakeStream:
         if f.stream_raises_after is not None and self._items >= f.stream_raises_after:
             await self._close()
             raise f.stream_error()
+        if f.repeat_item is not None and self._items == f.repeat_item and self._last is not None:
+            f.repeat_item = None
+            return self._last
         item = await self._gen.__anext__()
         self._items += 1
+        self._last = item
         return item
 
     def cancel(self) -> None:

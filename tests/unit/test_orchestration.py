@@ -421,6 +421,21 @@ def test_a_kv_ready_naming_another_engine_is_refused(engines_without_ray, tiny_t
     run(body, args(router={"max_attempts": 2}), tiny_tokenizer)
 
 
+def test_a_second_kv_ready_is_a_protocol_error_never_a_second_prefill(engines_without_ray, tiny_tokenizer):
+    """A decode engine that sends its KVReady twice breaks the attempt's phase table
+    (router/attempt_phase.py): the attempt fails as the engine's fault, and the request resumes
+    on the other engine, token for token."""
+
+    async def body(app: App) -> None:
+        for name in ("decode-0", "decode-1"):
+            app.faults[name].repeat_item = 1  # each engine's first stream repeats its KVReady once
+        status, data = await completion(app, PROMPT)
+        assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 8), data
+        assert app.service.metrics.errors.value(kind="protocol") == 2
+
+    run(body, args(router={"max_attempts": 3}), tiny_tokenizer, recording_router_metrics())
+
+
 def test_kv_ready_racing_the_first_token(engines_without_ray, tiny_tokenizer):
     """Prefill's call returns only after decode has already streamed tokens: the attempt keeps
     reading tokens while prefill is still 'in flight', and finishes when both are done."""

@@ -43,11 +43,7 @@ def test_single_attempt_phases():
     m = machine()
     plan = m.start_attempt(disaggregated=True)
     assert (plan.number, plan.prompt_token_ids, plan.max_tokens) == (1, [100, 101, 102], 10)
-    assert m.phase is Phase.AWAITING_KV
-    m.kv_ready()
-    assert m.phase is Phase.PREFILLING
-    m.prefill_done()
-    assert m.phase is Phase.DECODING
+    assert m.phase is Phase.ATTEMPTING
     step = m.on_delta(delta(0, 1, 2, finish="stop"))
     assert step.action is Action.FINISH and step.emission.text == "abc"
     assert m.phase is Phase.FINISHED and m.finish_reason == "stop"
@@ -153,7 +149,6 @@ def test_moves_off_a_stopping_engine_resume_like_a_recompute_but_cost_no_attempt
 def test_engine_failure_retries_and_prefers_another_engine():
     m = machine()
     m.start_attempt(True)
-    m.kv_ready()
     step = m.on_attempt_failed("prefill engine prefill-0 failed", retryable=True, engine="prefill-0")
     assert step.action is Action.RETRY and not step.recomputed
     plan = m.start_attempt(True)
@@ -223,11 +218,12 @@ def test_logprobs_follow_the_tokens_across_attempts():
     assert [x.token_id for x in m.output_logprobs] == [0, 1, 2, 3]
 
 
-def test_tokens_without_kv_ready_mean_decode_had_the_prompt_cached():
+def test_tokens_need_an_attempt():
     m = machine()
+    with pytest.raises(RuntimeError, match="expected phase attempting, in dispatch"):
+        m.on_delta(delta(0))
     m.start_attempt(True)
-    m.on_delta(delta(0))
-    assert m.phase is Phase.DECODING
+    assert m.on_delta(delta(0)).action is Action.CONTINUE and m.phase is Phase.ATTEMPTING
 
 
 # ---------------------------------------------------------------- with the real request types
