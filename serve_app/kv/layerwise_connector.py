@@ -48,6 +48,13 @@ from serve_app.kv.metadata import LayerwiseMetadata, LayerwiseStats, Settings
 from serve_app.kv.producer import ProducerWorker
 from serve_app.kv.scheduler_side import SchedulerSide
 from serve_app.kv.wakeup import Doorbell, install_core_wait
+from serve_app.runtime.private_symbols import check
+
+# The base class's hooks for its subclasses that are not part of its documented interface.
+SYMBOLS = (
+    "vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1._get_connector_metadata",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1._kv_cache_manager",
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,6 +71,11 @@ class LayerwisePushConnector(KVConnectorBase_V1):
     consumer_cls: type[ConsumerWorker] = ConsumerWorker
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        # Nothing to stand aside to: without these the connector cannot move KV at all, so the
+        # engine does not start, and says which symbol changed.
+        problems = [problem for name in SYMBOLS if (problem := check(name)) is not None]
+        if problems:
+            raise RuntimeError(f"LayerwisePushConnector does not support this vLLM: {'; '.join(problems)}")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         settings = Settings.from_config(vllm_config)
         if settings.tp_size != 1:

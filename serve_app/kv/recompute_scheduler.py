@@ -25,9 +25,13 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
+from serve_app.runtime.private_symbols import unchanged
 from serve_app.wire.protocol import RECOMPUTED
 
 logger = logging.getLogger("pd_serve.kv")
+
+# The private hooks of vLLM's scheduler the override needs (serve_app/runtime/private_symbols.py).
+SYMBOLS = ("vllm.v1.core.sched.scheduler.Scheduler._preempt_request", "vllm.v1.core.sched.scheduler.Scheduler._free_request")
 
 
 class RecomputeScheduler(Scheduler):
@@ -35,6 +39,9 @@ class RecomputeScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self._given_back: list[Request] = []
         self.num_given_back = 0
+        if not unchanged(SYMBOLS, logger, "giving preempted requests back to the router (vLLM recomputes them here)"):
+            # The instance's hook is vLLM's own again: preempted requests wait and are recomputed here.
+            self._preempt_request = super()._preempt_request  # type: ignore[method-assign]
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         """Called by ``schedule()`` for the victim it already took off the running queue."""

@@ -7,6 +7,7 @@ the router's behaviour and can be tested without Serve. It owns no engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,6 +28,11 @@ from serve_app.runtime.cpu_placement import keep_off_engine_cores
 from serve_app.runtime.gc_heap import freeze_startup_heap
 from serve_app.runtime.logs import quiet_cancelled_requests, to_serve_logs
 from serve_app.runtime.metrics import router_metrics
+from serve_app.runtime.private_symbols import unchanged
+
+logger = logging.getLogger("pd_serve.router")
+
+HANDLE_OPTIONS = "ray.serve.handle.DeploymentHandle.options"  # its private ``_by_reference``
 
 http_app = FastAPI(title="pd-serve", docs_url=None, redoc_url=None)
 
@@ -50,6 +56,8 @@ def engine_handle(handle: Any, transport: str) -> Any:
     streamed item on both ends. Our messages are plain dataclasses: pickle, not cloudpickle. With
     ``http`` the handle carries the stats polls, and the calls until an engine's endpoint is known."""
     if transport in ("grpc", "http"):
+        if not unchanged([HANDLE_OPTIONS], logger, f"by-value engine calls over {transport} (they go through Ray's object store)"):
+            return handle
         return handle.options(_by_reference=False, request_serialization="pickle", response_serialization="pickle")
     return handle
 

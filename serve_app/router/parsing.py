@@ -11,7 +11,9 @@ before any engine is touched.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 import sys
 import time
@@ -23,6 +25,9 @@ from typing import Any, Literal
 
 from serve_app.router.errors import OpenAIError, bad_request
 from serve_app.router.text import PromptEncoder
+from serve_app.runtime.private_symbols import unchanged
+
+logger = logging.getLogger("pd_serve.router")
 
 Route = Literal["completions", "chat"]
 
@@ -306,6 +311,20 @@ def _check_encodable(params: Any) -> None:
 VOCABULARY_CHECKS = ("_validate_logit_bias", "_validate_stop_token_ids", "_validate_allowed_token_ids")
 
 
+@functools.cache
+def _vocabulary_checks() -> tuple[str, ...]:
+    """The checks this vLLM has in the shape they are called here (runtime/private_symbols.py):
+    vLLM 0.23's ``_validate_allowed_token_ids`` takes a tokenizer, not the model config, and
+    called so it refused every request that named allowed_token_ids. One that changed is skipped,
+    logged once: the engine still refuses what it would have."""
+    checks = []
+    for name in VOCABULARY_CHECKS:
+        symbol = f"vllm.sampling_params.SamplingParams.{name}"
+        if unchanged([symbol], logger, f"the router's own check of the token ids {name} reads (the engine still checks them)"):
+            checks.append(name)
+    return tuple(checks)
+
+
 @dataclass(frozen=True)
 class _VocabularyOnly:
     """The part of vLLM's ``ModelConfig`` its token-id checks read."""
@@ -322,7 +341,7 @@ def _check_vocabulary(params: Any, ctx: ModelContext) -> None:
     engine after the router has leased it (vLLM versions without one of the checks skip it: the
     engine still refuses)."""
     model = _VocabularyOnly(ctx.vocab_size)
-    for name in VOCABULARY_CHECKS:
+    for name in _vocabulary_checks():
         check = getattr(params, name, None)
         if check is None:
             continue

@@ -8,11 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+
+from serve_app.runtime.private_symbols import unchanged
+
+logger = logging.getLogger("pd_serve")
+
+_HTTPTOOLS = "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol"
+_H11 = "uvicorn.protocols.http.h11_impl.H11Protocol"
+# What CoalescingHttpProtocol overrides and reads of the protocol it extends.
+PROTOCOL_SYMBOLS = {
+    "HttpToolsProtocol": tuple(
+        f"{_HTTPTOOLS}.{name}"
+        for name in ("connection_made", "data_received", "connection_lost", "on_message_begin", "on_headers_complete", "transport")
+    ),
+    "H11Protocol": tuple(f"{_H11}.{name}" for name in ("connection_made", "data_received", "connection_lost", "transport", "conn")),
+}
+CAPTURE_SIGNALS = "uvicorn.server.Server.capture_signals"
 
 
 class _QuietServer(uvicorn.Server):
@@ -117,6 +134,9 @@ def coalescing_http_protocol(
       at most one read (256 KiB) more on a kept-alive one, never a header of any size."""
     base = _protocol_base(implementation)
     h11_based = base.__name__ == "H11Protocol"
+    without = f"write coalescing and the request-header bounds on uvicorn's {base.__name__}"
+    if not unchanged(PROTOCOL_SYMBOLS[base.__name__], logger, without):
+        return base
 
     class CoalescingHttpProtocol(base):  # type: ignore[valid-type, misc]
         _header_deadline: asyncio.TimerHandle | None = None
@@ -244,6 +264,9 @@ class InReplicaServer:
             access_log=False,
             timeout_keep_alive=keep_alive_s,
         )
+        # Nothing to stand aside from: the override is inert, and uvicorn's own handlers would
+        # take this replica's signals.
+        unchanged([CAPTURE_SIGNALS], logger, "keeping uvicorn off the replica's signal handlers")
         self._server = _QuietServer(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
 

@@ -25,13 +25,24 @@ one loop thread. Groups stay separate process groups: collectives, sequence numb
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
 
+from serve_app.runtime.private_symbols import unchanged
+
+logger = logging.getLogger("pd_serve.engine")
+
 ENV = "PD_SERVE_SHARED_GLOO_DEVICE"
 # torch reads this to pick the interfaces of a Gloo group's devices.
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
+_GLOO = "torch.distributed.distributed_c10d.ProcessGroupGloo"
+SYMBOLS = tuple(
+    f"{_GLOO}.{name}"
+    for name in ("__init__", "_Options", "_Options._timeout", "_Options._devices", "create_device", "create_default_device")
+)
 
 
 def install() -> None:
@@ -43,6 +54,8 @@ def install() -> None:
         return
     gloo = getattr(c10d, "ProcessGroupGloo", None)
     if gloo is None or getattr(gloo.__init__, "_pd_serve_shared_device", False):
+        return
+    if not unchanged(SYMBOLS, logger, "one Gloo device shared by a process's groups"):
         return
     # The class itself is kept (torch checks its groups' backends with isinstance against it, and
     # those come back from C++ as this class); only how torch constructs one changes.
@@ -77,4 +90,5 @@ def shared_device_init(gloo: type) -> Any:
         original(self, store, rank, size, options)
 
     __init__._pd_serve_shared_device = True  # type: ignore[attr-defined]
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]  # what the manifest's check reads
     return __init__

@@ -35,12 +35,17 @@ import logging
 import os
 from typing import Any
 
+from serve_app.runtime.private_symbols import unchanged
+
 logger = logging.getLogger("pd_serve.engine")
 
 ENV = "PD_SERVE_ENGINE_SPIN_S"
 CORE_ENV = "PD_SERVE_ENGINE_CORE_SPIN_S"
 RECHECK_MS = 10
 NOTIFY_HWM = 64
+
+SPIN_CONDITION = "vllm.distributed.device_communicators.shm_broadcast.SpinCondition.__init__"
+RECHECK_INTERVAL = "vllm.distributed.device_communicators.shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS"
 
 
 def install() -> None:
@@ -52,9 +57,15 @@ def install() -> None:
     except ImportError:  # not a vLLM with shared-memory queues: nothing to tune
         return
     condition = getattr(shm_broadcast, "SpinCondition", None)
-    if condition is None or getattr(condition, "_pd_serve_spin_s", None) is not None:
+    if getattr(condition, "_pd_serve_spin_s", None) is not None:
         return
-    spin_s = float(value)
+    if unchanged([SPIN_CONDITION], logger, "the bound on the engine's spin and the kept wake-ups"):
+        _bound_spin(condition, float(value))
+    if unchanged([RECHECK_INTERVAL], logger, f"the {RECHECK_MS} ms recheck of the engine's queues"):  # read at every wait
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, RECHECK_MS)
+
+
+def _bound_spin(condition: Any, spin_s: float) -> None:
     original = condition.__init__
 
     def __init__(self, is_reader, context, notify_address, busy_loop_s=spin_s):  # noqa: N807
@@ -64,10 +75,9 @@ def install() -> None:
             busy_loop_s = _reader_spin_s(busy_loop_s)
         original(self, is_reader, context, notify_address, busy_loop_s)
 
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]  # what the manifest's check reads
     condition.__init__ = __init__
     condition._pd_serve_spin_s = spin_s
-    if hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):  # read at every wait
-        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, RECHECK_MS)
 
 
 def _reader_spin_s(default: float) -> float:

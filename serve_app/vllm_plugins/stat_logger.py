@@ -25,10 +25,31 @@ of a disaggregated decode replica's output handler (py-spy, c=8) until they were
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
+from serve_app.runtime.private_symbols import unchanged
+
+logger = logging.getLogger("pd_serve.engine")
+
 SCHEDULER_STATS_INTERVAL_S = 0.25
+
+_METRIC = "vllm.v1.metrics.ray_wrappers.RayPrometheusMetric"
+_LOGGER = "vllm.v1.metrics.ray_wrappers.RayPrometheusStatLogger"
+# What the engine and role labels need of vLLM's Ray metric wrappers and logger.
+LABEL_SYMBOLS = (
+    f"{_METRIC}._get_tag_keys",
+    f"{_METRIC}._build_tags",
+    f"{_METRIC}._tags",
+    f"{_LOGGER}._gauge_cls",
+    f"{_LOGGER}._counter_cls",
+    f"{_LOGGER}._histogram_cls",
+)
+# The logger's groups of metrics (spec decoding, KV connector, perf), each made from the
+# logger's metric classes: labelled too where vLLM has them.
+NESTED_METRICS = ("_spec_decoding_cls", "_kv_connector_cls", "_perf_metrics_cls")
+RECORD = f"{_LOGGER}.record"
 
 
 class SchedulerStatsThrottle:
@@ -97,10 +118,28 @@ def _counted_per_step(stats: Any) -> bool:
 
 
 def ray_stat_logger(engine: str, role: str) -> type:
-    """A ``RayPrometheusStatLogger`` class whose metrics carry ``engine=<name>`` and ``role``."""
+    """A ``RayPrometheusStatLogger`` class whose metrics carry ``engine=<name>`` and ``role``,
+    with its scheduler stats throttled. Where vLLM's internals are not what this was written
+    against, the part that needs them is left out (and logged): at worst vLLM's own logger."""
     from vllm.v1.metrics import ray_wrappers
 
-    fixed = {"engine": engine, "role": role}
+    base = ray_wrappers.RayPrometheusStatLogger
+    members: dict[str, Any] = {}
+    if unchanged(LABEL_SYMBOLS, logger, "the engine and role labels on vLLM's metrics"):
+        metric_classes = _labelled_metric_classes(ray_wrappers, {"engine": engine, "role": role})
+        members.update(metric_classes)
+        for attr in NESTED_METRICS:
+            parent = getattr(base, attr, None)
+            if parent is not None and unchanged([f"{_LOGGER}.{attr}"], logger, f"the engine and role labels on vLLM's {attr} metrics"):
+                members[attr] = type(parent.__name__, (parent,), {k: v for k, v in metric_classes.items() if hasattr(parent, k)})
+    if unchanged([RECORD], logger, "its throttle of the scheduler stats vLLM's Ray metrics record"):
+        members.update(_throttled(base))
+    return type("PdServeRayStatLogger", (base,), members) if members else base
+
+
+def _labelled_metric_classes(ray_wrappers: Any, fixed: dict[str, str]) -> dict[str, type]:
+    """The logger's ``_gauge_cls`` / ``_counter_cls`` / ``_histogram_cls``: vLLM's Ray metric
+    wrappers with the ``fixed`` labels."""
 
     class Labelled:
         """Mixed into vLLM's Ray metric wrappers: the fixed labels are tag keys of every metric
@@ -125,11 +164,16 @@ def ray_stat_logger(engine: str, role: str) -> type:
             labelskwargs["ReplicaId"] = self._tags.get("ReplicaId", "")
             return {k: v if isinstance(v, str) else str(v) for k, v in labelskwargs.items()}
 
-    gauge = type("Gauge", (Labelled, ray_wrappers.RayGaugeWrapper), {})
-    counter = type("Counter", (Labelled, ray_wrappers.RayCounterWrapper), {})
-    histogram = type("Histogram", (Labelled, ray_wrappers.RayHistogramWrapper), {})
-    metric_classes = {"_gauge_cls": gauge, "_counter_cls": counter, "_histogram_cls": histogram}
-    base = ray_wrappers.RayPrometheusStatLogger
+    return {
+        "_gauge_cls": type("Gauge", (Labelled, ray_wrappers.RayGaugeWrapper), {}),
+        "_counter_cls": type("Counter", (Labelled, ray_wrappers.RayCounterWrapper), {}),
+        "_histogram_cls": type("Histogram", (Labelled, ray_wrappers.RayHistogramWrapper), {}),
+    }
+
+
+def _throttled(base: type) -> dict[str, Any]:
+    """``__init__`` and ``record`` of a logger that passes the scheduler stats on through a
+    ``SchedulerStatsThrottle``."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         self._pd_throttle = SchedulerStatsThrottle()  # once per logger, not per step
@@ -140,9 +184,4 @@ def ray_stat_logger(engine: str, role: str) -> type:
         if scheduler_stats is not None or iteration_stats is not None or mm_cache_stats is not None:
             base.record(self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
 
-    members: dict[str, Any] = {**metric_classes, "__init__": __init__, "record": record}
-    for attr in ("_spec_decoding_cls", "_kv_connector_cls", "_perf_metrics_cls"):
-        parent = getattr(base, attr, None)
-        if parent is not None:
-            members[attr] = type(parent.__name__, (parent,), {k: v for k, v in metric_classes.items() if hasattr(parent, k)})
-    return type("PdServeRayStatLogger", (base,), members)
+    return {"__init__": __init__, "record": record}

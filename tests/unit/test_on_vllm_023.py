@@ -34,6 +34,7 @@ ROUTER_TESTS = [
     "tests/unit/test_mock_engine.py",
     "tests/unit/test_logs.py",
     "tests/unit/test_vllm_metrics_throttle.py",
+    "tests/unit/test_private_symbols.py",
 ]
 
 

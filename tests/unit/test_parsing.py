@@ -137,3 +137,14 @@ def test_a_client_template_past_its_time_bound_is_stopped_in_its_thread_and_the_
     assert err.param == "chat_template_kwargs.chat_template" and "did not finish" in err.message
     assert after is tracer
     assert parse_request("chat", body, ctx).prompt_token_ids  # the server's own template: no bound
+
+
+def test_token_ids_a_request_names_in_the_vocabulary_are_accepted_on_every_vllm(ctx):
+    """allowed_token_ids, logit_bias and stop_token_ids within the vocabulary parse (on vLLM 0.23,
+    whose allowed-token check takes a tokenizer, the router's own check stood in the way of every
+    such request: it is skipped there and the engine checks); one past it is a 400 wherever vLLM's
+    check has the shape the router calls."""
+    body = {"prompt": [5, 6], "allowed_token_ids": [5, 6, 7], "logit_bias": {"7": 1.0}, "stop_token_ids": [9]}
+    parsed = parse_request("completions", body, ctx)
+    assert parsed.sampling_params.allowed_token_ids == [5, 6, 7]
+    assert "logit_bias" in str(refused(ctx, "completions", {"prompt": [5], "logit_bias": {"5000": 1.0}}))

