@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # Items per second an engine replica streams, all its requests together (engines/pacing.py).
 DEFAULT_ITEMS_PER_S = 400.0
 
+# vLLM's KV block size on the CPU and on Ascend NPUs when none is given.
+DEFAULT_BLOCK_TOKENS = 128
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-llama"
 
@@ -213,6 +215,24 @@ class RouterHTTPConfig(_Strict):
     )
 
 
+class PrefixRoutingConfig(_Strict):
+    """``router.balancer: prefix`` (router/prefix_index.py; docs/design.md, "Cache-aware routing")."""
+
+    max_imbalance: float = Field(
+        1.3,
+        ge=1.0,
+        description=(
+            "an engine is chosen for the prefix it holds only while its load is at most this many times its "
+            "role's mean load (plus the request's own); past it, the request goes where the prefix is next best"
+        ),
+    )
+    block_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="tokens per prefix block, the engines' KV block size (default: engine_kwargs.block_size, else 128)",
+    )
+
+
 class RouterConfig(ScalingConfig):
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
     num_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(None, description="router replicas (default 1), or 'auto'")
@@ -227,6 +247,15 @@ class RouterConfig(ScalingConfig):
             "engines/call_server.py), Serve's gRPC transport, or Ray object references"
         ),
     )
+    balancer: Literal["load", "prefix", "random"] = Field(
+        "prefix",
+        description=(
+            "how an engine is chosen: 'prefix' prefers the engine expected to hold the prompt's longest prefix "
+            "in its cache, within router.prefix.max_imbalance of the mean load; 'load' takes the least loaded; "
+            "'random' any healthy one (a baseline for benchmarks)"
+        ),
+    )
+    prefix: PrefixRoutingConfig = Field(default_factory=PrefixRoutingConfig)
     max_ongoing_requests: int = Field(1024, ge=1)
     graceful_shutdown_timeout_s: float = Field(
         60.0, gt=3, description="how long a stopping router replica may take: the responses it is streaming finish within it"
@@ -370,6 +399,16 @@ class AppConfig(_Strict):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def prefix_block_tokens(self) -> int:
+        """The prefix block of cache-aware routing: the engines' KV block size as configured."""
+        if self.router.prefix.block_tokens is not None:
+            return self.router.prefix.block_tokens
+        for kwargs in (self.decode.engine_kwargs, self.prefill.engine_kwargs, self.engine_kwargs):
+            if kwargs.get("block_size"):
+                return int(kwargs["block_size"])
+        return DEFAULT_BLOCK_TOKENS
 
 
 class ConfigError(ValueError):

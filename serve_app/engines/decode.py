@@ -48,8 +48,13 @@ class Decode(EngineServer):
 
     async def _generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         params = request.kv_transfer_params
+        prompt_tokens = len(request.prompt_token_ids)
         if not params or not params.get("do_remote_prefill"):
+            counted = False
             async for delta in self.runner.generate(request):
+                if not counted and isinstance(delta, TokenDelta):
+                    counted = True
+                    self.count_prompt(prompt_tokens, delta.num_cached_tokens)
                 yield delta
             return
         kv_ready, callback_url = self.relay.expect(request.request_id)
@@ -60,13 +65,21 @@ class Decode(EngineServer):
             # KVReady comes first, unless the engine needed no KV (whole prompt cached locally)
             # or failed: then its output comes first and no callback will.
             await asyncio.wait({kv_ready, next_delta}, return_when=asyncio.FIRST_COMPLETED)
+            counted = False
             if kv_ready.done() and not kv_ready.cancelled():
-                yield KVReady(kv_ready.result())
+                ready = kv_ready.result()
+                # What the prefix cache held; the rest is pushed.
+                self.count_prompt(prompt_tokens, int(ready.get("remote_cached_tokens") or 0))
+                counted = True
+                yield KVReady(ready)
             while True:
                 try:
                     delta = await next_delta
                 except StopAsyncIteration:
                     return
+                if not counted and isinstance(delta, TokenDelta):
+                    counted = True  # no KVReady: the cache held the whole prompt (or the engine failed)
+                    self.count_prompt(prompt_tokens, delta.num_cached_tokens)
                 yield delta
                 next_delta = asyncio.ensure_future(anext(stream))
         finally:

@@ -32,10 +32,14 @@ class Prefill(EngineServer):
         tokens = len(request.prompt_token_ids)
         self._prompt_tokens += tokens  # queued or computing: the autoscaler's prefill signal
         finish_reason = None
+        counted = False
         try:
             async for event in self.runner.generate(request):
                 if isinstance(event, EngineRejected):
                     raise PrefillFailed(f"{self.spec.name}: refused {request.request_id}: {event.message}")
+                if not counted:  # the first output says what the prefix cache held
+                    counted = True
+                    self.count_prompt(tokens, event.num_cached_tokens)
                 finish_reason = event.finish_reason
         finally:
             self._prompt_tokens -= tokens
@@ -67,6 +71,7 @@ class Prefill(EngineServer):
         pushed = int(record.get("bytes_pushed") or 0)
         if pushed > 0:  # the mock engine's pushes carry no bytes
             self._metrics.push_bytes.inc(pushed, tags=tags)
+            self.kv_bytes_pushed_total += pushed
         first = record.get("first_layer_sent_at")
         last = record.get("last_layer_sent_at") or record.get("forward_done_at")
         if first is not None and last is not None:

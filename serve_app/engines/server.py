@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from typing import Any
 
 from serve_app.config import autoscaling
@@ -83,6 +84,10 @@ class EngineServer:
         self.calls_started = 0.0  # when the last engine call arrived
         self._stopped = False
         self._prompt_tokens = 0  # prefill: prompt tokens of the calls in progress
+        self.epoch = uuid.uuid4().hex  # this engine's start: its prefix cache begins empty
+        self.prompt_tokens_total = 0
+        self.prefix_hit_tokens_total = 0
+        self.kv_bytes_pushed_total = 0
         self.latency = LatencyWindow(autoscaling.LATENCY_WINDOW_S)  # prefill: TTFT share; decode: ITL
         backend = BACKENDS[spec.backend]
         prepare_engine_environment(backend, os.environ, spec.notes)
@@ -147,7 +152,21 @@ class EngineServer:
         stats = self.runner.stats()
         stats.kv_endpoint = self.kv_endpoint
         stats.call_endpoint = self.call_server.endpoint if self.call_server is not None else None
+        stats.epoch = self.epoch
+        stats.prompt_tokens_total = self.prompt_tokens_total
+        stats.prefix_hit_tokens_total = self.prefix_hit_tokens_total
+        stats.kv_bytes_pushed_total = self.kv_bytes_pushed_total
         return stats
+
+    def count_prompt(self, prompt_tokens: int, hit_tokens: int | None) -> None:
+        """A request's prompt, and how much of it this engine's prefix cache held."""
+        hits = max(0, min(prompt_tokens, hit_tokens or 0))
+        self.prompt_tokens_total += prompt_tokens
+        self.prefix_hit_tokens_total += hits
+        if prompt_tokens > 0:  # a Ray counter takes positive increments only
+            self._metrics.prompt_tokens.inc(prompt_tokens, tags=self._tags)
+        if hits > 0:
+            self._metrics.prefix_hits.inc(hits, tags=self._tags)
 
     async def abort(self, request_id: str, replica: str | None = None) -> None:
         self.pinned(replica)

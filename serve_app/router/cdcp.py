@@ -156,7 +156,9 @@ class AttemptExecutor:
     async def run(self, plan: AttemptPlan, params_template: Any, request_deadline: float | None = None) -> AsyncIterator[AttemptEvent]:
         """The attempt's events, ending with its last token or an ``AttemptFailed``. Past
         ``request_deadline`` (monotonic) it fails for good: the client's whole request is over."""
-        decode = await self.pick("decode", plan.avoid)
+        # The prompt's prefix blocks, once for both choices (router.balancer: prefix).
+        keys = self.pool.prefix_keys(plan.prompt_token_ids)
+        decode = await self.pick("decode", plan.avoid, keys, len(plan.prompt_token_ids) + plan.max_tokens)
         if decode is None:
             yield AttemptFailed("no decode engine is available", retryable=False, status=503, kind="no_engine")
             return
@@ -172,7 +174,7 @@ class AttemptExecutor:
         reserved = len(plan.prompt_token_ids) + plan.max_tokens
         with self.pool.lease(decode.name, reserved):
             stream = self.pool.open_stream(decode.name, request)
-            attempt = AttemptRun(self, plan, decode.name, stream, request_deadline)
+            attempt = AttemptRun(self, plan, decode.name, stream, request_deadline, keys)
             try:
                 with self.pool.watch(decode.name, attempt.decode_leaving):
                     async for event in attempt.events():
@@ -180,11 +182,13 @@ class AttemptExecutor:
             finally:
                 await attempt.close()
 
-    async def pick(self, role: Role, avoid: frozenset[str]) -> EngineLoad | None:
+    async def pick(
+        self, role: Role, avoid: frozenset[str], prefix_keys: list[int] | None = None, request_load: int = 0
+    ) -> EngineLoad | None:
         """An engine of ``role``; while none is healthy (restarting), wait up to kv_ready_s."""
         deadline = time.monotonic() + self.timeouts.kv_ready_s
         while True:
-            load = self.pool.pick(role, avoid)
+            load = self.pool.pick(role, avoid, prefix_keys, request_load)
             if load is not None or time.monotonic() >= deadline:
                 return load
             await asyncio.sleep(ENGINE_WAIT_POLL_S)
@@ -195,9 +199,16 @@ class AttemptRun:
     """The moving parts of one attempt: the decode stream, the prefill call, the deadlines."""
 
     def __init__(
-        self, executor: AttemptExecutor, plan: AttemptPlan, decode: str, stream: Any, request_deadline: float | None = None
+        self,
+        executor: AttemptExecutor,
+        plan: AttemptPlan,
+        decode: str,
+        stream: Any,
+        request_deadline: float | None = None,
+        prefix_keys: list[int] | None = None,
     ) -> None:
         self.executor = executor
+        self.prefix_keys = prefix_keys
         self.request_deadline = request_deadline
         self.plan = plan
         self.decode = decode
@@ -359,7 +370,7 @@ class AttemptRun:
                 )
                 return
             yield KVReadyEvent(item.params, self.decode)
-            prefill = await self.executor.pick("prefill", self.plan.avoid)
+            prefill = await self.executor.pick("prefill", self.plan.avoid, self.prefix_keys, len(self.plan.prompt_token_ids))
             if prefill is None:
                 yield AttemptFailed("no prefill engine is available", True, None, 503, "no_engine")
                 return

@@ -21,6 +21,7 @@ import contextvars
 import dataclasses
 import itertools
 import logging
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from serve_app.router.balancer import EngineLoad, ScoreFn, decode_score, prefill
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.leak_audit import LeakAudit
 from serve_app.router.membership import ReplicaInfo, diff
+from serve_app.router.prefix_index import PrefixIndex, chain_keys, choose
 from serve_app.wire.protocol import EngineCallEndpoint, EngineRequest, EngineStats, KVEndpoint, Role
 
 logger = logging.getLogger("pd_serve.router")
@@ -65,6 +67,15 @@ class Member:
         return {"replica": self.replica_id} if self.replica_id is not None else {}
 
 
+@dataclass
+class PrefixRouting:
+    """``router.balancer: prefix``: where each prompt prefix is expected to be cached."""
+
+    block_tokens: int
+    max_imbalance: float
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+
+
 class EnginePool:
     def __init__(
         self,
@@ -72,6 +83,8 @@ class EnginePool:
         stats_timeout_s: float = 2.0,
         audit: LeakAudit | None = None,
         client: EngineClient | None = None,
+        prefix: PrefixRouting | None = None,
+        pick_at_random: bool = False,
     ) -> None:
         self.members: dict[str, Member] = {}
         self.loads: dict[str, EngineLoad] = {}
@@ -80,13 +93,19 @@ class EnginePool:
         self.stats_timeout_s = stats_timeout_s
         self.reported: dict[str, EngineStats] = {}
         self.audit = audit
-        self._turn = itertools.count()
+        # Ties rotate per role: one counter for both let an attempt's two picks (decode, then
+        # prefill) step it twice, so with two tied decode engines every attempt got the same one.
+        self._turn: dict[Role, itertools.count] = {"decode": itertools.count(), "prefill": itertools.count()}
         # router.engine_transport: http; calls then go to an engine's own endpoint once known,
         # through its Serve handle before.
         self.client = client
         self._by_replica: dict[str, str] = {}  # Serve replica id -> member name
         self._pool_handles: dict[Role, tuple[Any, Any]] = {}
         self.on_joined: Callable[[str], None] | None = None
+        self.prefix = prefix
+        self.pick_at_random = pick_at_random  # router.balancer: random (a benchmark's baseline)
+        # Told of each choice made by prefix: (role, engine, prompt tokens it is expected to hold).
+        self.on_prefix_choice: Callable[[Role, str, int], None] | None = None
 
     # ------------------------------------------------------------------ membership
     def attach(self, role: Role, handle: Any, stats_handle: Any = None) -> None:
@@ -161,6 +180,8 @@ class EnginePool:
         self.members.pop(name, None)
         self.loads.pop(name, None)
         self.reported.pop(name, None)
+        if self.prefix is not None:
+            self.prefix.index.forget(name)
 
     @contextmanager
     def watch(self, name: str, on_leave: Callable[[], None]) -> Iterator[None]:
@@ -205,8 +226,36 @@ class EnginePool:
     def has_healthy(self, role: Role) -> bool:
         return any(load.healthy for load in self.of_role(role))
 
-    def pick(self, role: Role, avoid: frozenset[str] = frozenset()) -> EngineLoad | None:
-        return select(self.of_role(role), SCORES[role], turn=next(self._turn), avoid=avoid)
+    def prefix_keys(self, token_ids: list[int]) -> list[int]:
+        """The prompt's block keys for ``pick`` (none when routing by load alone)."""
+        return chain_keys(token_ids, self.prefix.block_tokens) if self.prefix is not None else []
+
+    def pick(
+        self, role: Role, avoid: frozenset[str] = frozenset(), prefix_keys: list[int] | None = None, request_load: int = 0
+    ) -> EngineLoad | None:
+        """An engine of ``role``: by load alone, or (``prefix_keys`` given, router.balancer:
+        prefix) the one expected to hold the longest prefix within the imbalance bound, which
+        then holds it. ``request_load``: what the request adds to the role's load score."""
+        if not self.pick_at_random and (self.prefix is None or not prefix_keys):
+            return select(self.of_role(role), SCORES[role], turn=next(self._turn[role]), avoid=avoid)
+        healthy = [load for load in self.of_role(role) if load.healthy]
+        if not healthy:
+            return None
+        preferred = [load for load in healthy if load.name not in avoid] or healthy
+        if self.prefix is None or not prefix_keys:
+            return random.choice(preferred)
+        score = SCORES[role]
+        name, blocks = choose(
+            self.prefix.index,
+            prefix_keys,
+            [(load.name, score(load)) for load in preferred],
+            max_imbalance=self.prefix.max_imbalance,
+            request_load=request_load,
+        )
+        self.prefix.index.record(name, prefix_keys)
+        if self.on_prefix_choice is not None and blocks:
+            self.on_prefix_choice(role, name, blocks * self.prefix.block_tokens)
+        return self.loads[name]
 
     @contextmanager
     def lease(self, name: str, tokens: int) -> Iterator[EngineLoad]:
@@ -250,6 +299,9 @@ class EnginePool:
                 load.healthy = False
                 continue
             self.reported[name] = result
+            if self.prefix is not None:
+                self.prefix.index.set_epoch(name, result.epoch)
+                self.prefix.index.set_capacity(name, result.kv_capacity_tokens // self.prefix.block_tokens)
             load.healthy = result.healthy
             load.kv_used_tokens = result.kv_used_tokens
             load.kv_capacity_tokens = result.kv_capacity_tokens
@@ -304,6 +356,10 @@ class EnginePool:
                 "kv_endpoint": dataclasses.asdict(kv_endpoint) if kv_endpoint else None,
                 # Its URL only: the token stays between the engine and the routers.
                 "call_endpoint": call_endpoint.url if call_endpoint else None,
+                "prompt_tokens_total": reported.prompt_tokens_total if reported else None,
+                "prefix_hit_tokens_total": reported.prefix_hit_tokens_total if reported else None,
+                "kv_bytes_pushed_total": reported.kv_bytes_pushed_total if reported else None,
+                "prefix_blocks_expected": self.prefix.index.held(name) if self.prefix is not None else None,
                 "extra": reported.extra if reported else {},
             }
         return out

@@ -31,7 +31,7 @@ from serve_app.router.framing import SSE_DONE, sse
 from serve_app.router.leak_audit import Discrepancy, LeakAudit
 from serve_app.router.membership import MEMBERSHIP
 from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
-from serve_app.router.pool import EnginePool
+from serve_app.router.pool import EnginePool, PrefixRouting
 from serve_app.router.session import ResponseSession
 from serve_app.runtime.metrics import RouterMetrics
 from serve_app.wire.protocol import Role
@@ -166,7 +166,17 @@ class RouterService:
             sole_router=not config.router.autoscaled and config.router.initial_replicas == 1,
             report=self._report_leaks,
         )
-        self.pool = EnginePool(engines, audit=audit, client=EngineClient() if config.router.engine_transport == "http" else None)
+        prefix = None
+        if config.router.balancer == "prefix":
+            prefix = PrefixRouting(block_tokens=config.prefix_block_tokens, max_imbalance=config.router.prefix.max_imbalance)
+        self.pool = EnginePool(
+            engines,
+            audit=audit,
+            client=EngineClient() if config.router.engine_transport == "http" else None,
+            prefix=prefix,
+            pick_at_random=config.router.balancer == "random",
+        )
+        self.pool.on_prefix_choice = lambda role, engine, tokens: metrics.prefix_routed.inc(tokens, tags={"role": role, "engine": engine})
         self.pools = pools or {}
         self.app_name = app_name
         self._unsubscribe: list[Callable[[], None]] = []

@@ -37,6 +37,7 @@ class RouterMetrics:
     leak_requests: Any  # pd_leak_requests{engine}: requests an engine holds that no router does
     leak_kv_tokens: Any  # pd_leak_kv_tokens{engine}: KV an engine holds with no request in flight
     moves: Any  # pd_moves_total{engine}: attempts moved off a decode engine Serve was stopping
+    prefix_routed: Any  # pd_prefix_routed_tokens_total{role,engine}: prompt tokens the router expected the chosen engine to hold
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class EngineMetrics:
     push_bytes: Any  # pd_kv_push_bytes_total{engine}: bytes of KV they carried
     push_time: Any  # pd_kv_push_seconds{engine}: first to last layer sent, per transfer
     push_failures: Any  # pd_kv_push_failures{engine}
+    prompt_tokens: Any  # pd_engine_prompt_tokens_total{role,engine}: prompt tokens of the requests an engine was given
+    prefix_hits: Any  # pd_prefix_hit_tokens_total{role,engine}: ... of those, what its prefix cache held
 
 
 @functools.cache
@@ -85,6 +88,11 @@ def router_metrics() -> RouterMetrics:
         leak_requests=Gauge("pd_leak_requests", "requests an engine holds that no router holds (leak audit)", tag_keys=("engine",)),
         leak_kv_tokens=Gauge("pd_leak_kv_tokens", "KV tokens an engine holds with no request in flight (leak audit)", tag_keys=("engine",)),
         moves=Counter("pd_moves", "attempts moved off a decode engine that Serve was stopping (drain)", tag_keys=("engine",)),
+        prefix_routed=Counter(
+            "pd_prefix_routed_tokens",
+            "prompt tokens the router expected the engine it chose to hold in its prefix cache (router.balancer: prefix)",
+            tag_keys=("role", "engine"),
+        ),
     )
 
 
@@ -102,4 +110,10 @@ def engine_metrics() -> EngineMetrics:
             "pd_kv_push_seconds", "first to last layer of KV sent, per transfer", boundaries=LATENCY_BUCKETS, tag_keys=("engine",)
         ),
         push_failures=Counter("pd_kv_push_failures", "KV pushes that did not deliver", tag_keys=("engine",)),
+        prompt_tokens=Counter("pd_engine_prompt_tokens", "prompt tokens of the requests an engine was given", tag_keys=("role", "engine")),
+        prefix_hits=Counter(
+            "pd_prefix_hit_tokens",
+            "prompt tokens an engine's prefix cache held (decode, disaggregated: before any KV was pushed)",
+            tag_keys=("role", "engine"),
+        ),
     )

@@ -126,6 +126,13 @@ class EngineStats:
     kv_endpoint: KVEndpoint | None = None
     call_endpoint: EngineCallEndpoint | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # A new value when the engine starts afresh (an empty prefix cache): router/prefix_index.py.
+    epoch: str = ""
+    # Since the engine started: prompt tokens it was given, those its prefix cache held (decode
+    # engines of a disaggregated attempt: held before any KV was pushed), KV bytes it pushed.
+    prompt_tokens_total: int = 0
+    prefix_hit_tokens_total: int = 0
+    kv_bytes_pushed_total: int = 0
 
     @property
     def kv_used_tokens(self) -> int:

@@ -64,7 +64,9 @@ def app_args(name: str, port: int, disaggregated: bool) -> dict[str, Any]:
             "kv_port_base": 36000,
             "prefill": {"num_replicas": 1, "num_cpus": 0.1, "resources": {"pd_node1": 0.01}},
             "decode": {"num_replicas": 2, "num_cpus": 0.1, "resources": {"pd_decode": 1}},
-            "router": {**router, "mode": "disaggregated", "max_attempts": 6},
+            # By load, tied engines take turns: the six prompts below alternate between the
+            # nodes (by prefix, each prompt's engine is its hash's).
+            "router": {**router, "mode": "disaggregated", "max_attempts": 6, "balancer": "load"},
         }
     return {
         "served_model_name": MODEL,

@@ -769,3 +769,38 @@ def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_r
 
     app_args = args(router={"mode": "disaggregated", "max_attempts": 1}, decode={"num_replicas": 2})
     run(body, app_args, tiny_tokenizer, recording_router_metrics())
+
+
+def test_prefix_routing_keeps_each_prefix_on_one_prefill_and_one_decode_engine(engines_without_ray, tiny_tokenizer):
+    """router.balancer: prefix through the whole schedule: both choices (decode first, then
+    prefill) follow the prompt's prefix, outputs are unchanged, and the router counts the prompt
+    tokens it expected the chosen engines to hold."""
+    from serve_app.router.prefix_index import chain_keys, rendezvous
+
+    block = 16
+    prefixes = [[100 + 7 * p + i % 5 for i in range(4 * block)] for p in range(4)]
+
+    async def body(app: App) -> None:
+        served: dict[int, set[tuple[str, str]]] = {p: set() for p in range(len(prefixes))}
+        for turn in range(3):
+            for p, prefix in enumerate(prefixes):
+                prompt = prefix + [500 + turn, 600 + p]
+                before = {name: list(f.calls) for name, f in app.faults.items()}
+                status, data = await completion(app, prompt)
+                assert status == 200 and data["choices"][0]["token_ids"] == expected(prompt, 8)
+                call = {"decode": "generate", "prefill": "run"}
+                grew = [n for n, f in app.faults.items() if call[n.split("-")[0]] in f.calls[len(before[n]) :]]
+                decode = [n for n in grew if n.startswith("decode")]
+                prefill = [n for n in grew if n.startswith("prefill")]
+                assert len(decode) == 1 and len(prefill) == 1, grew
+                served[p].add((decode[0], prefill[0]))
+        for p, engines in served.items():
+            (pair,) = engines  # one decode and one prefill engine for every request of the prefix
+            first = chain_keys(prefixes[p], block)[0]
+            assert pair == (rendezvous(first, ["decode-0", "decode-1"]), rendezvous(first, ["prefill-0", "prefill-1"]))
+        routed = app.service.metrics.prefix_routed
+        # Two requests of each prefix after its first were expected to find its 4 blocks, per role.
+        assert sum(v for k, v in routed.values.items()) == 2 * len(prefixes) * 4 * block * 2
+
+    app_args = args(prefill={"num_replicas": 2}, router={"balancer": "prefix", "prefix": {"block_tokens": block}})
+    run(body, app_args, tiny_tokenizer, recording_router_metrics())

@@ -1,0 +1,212 @@
+"""Which engine is expected to hold which prompt blocks, and the choice it leads to (pure).
+
+A prompt is cut into blocks of ``block_tokens`` token ids (the engines' KV block size: vLLM caches
+whole blocks only). Block i's *key* is the hash of (key of block i-1, its token ids), so a key
+names the whole prefix up to and including its block, as vLLM's own block hashes do. Keys are
+Python hashes of tuples of ints, which are the same in every process (no hash seed applies to
+them), so every router replica computes the same keys and the same choices.
+
+The index records the keys of each prompt it routes to an engine (the engine then holds them in
+its prefix cache), and forgets them the way the engine would: least recently used first, beyond
+the engine's KV capacity; all at once when the engine restarts or leaves. It is the router's own
+record, kept honest by the engines' stats (their capacity, and an epoch that changes when an
+engine starts afresh), not a copy of vLLM's KV cache events: those would cross the network
+unauthenticated (vLLM publishes them on a plain ZMQ socket) and carry every prompt's tokens, and
+each router replica would subscribe to every engine. docs/design.md, "Cache-aware routing".
+
+The choice (``choose``): among the engines whose load is within the imbalance bound, the one
+expected to hold the longest prefix of the prompt; ties, including a prompt nobody holds, go to
+the engine with the highest rendezvous weight for the first block past the common prefix. The
+rendezvous part is what makes several router replicas agree without sharing state: each places
+a new prefix on the same engine, and one engine joining or leaving moves only its share.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+# A prefix longer than this many blocks is matched on its first blocks only: the choice is made
+# by then, and the cost of a request's keys stays bounded (64 blocks of 128 tokens: 8192 tokens).
+MAX_BLOCKS = 64
+
+
+def chain_keys(token_ids: Sequence[int], block_tokens: int, max_blocks: int = MAX_BLOCKS) -> list[int]:
+    """The keys of the prompt's whole blocks, first to last (at most ``max_blocks``)."""
+    keys: list[int] = []
+    key = 0
+    n = min(len(token_ids) // block_tokens, max_blocks)
+    for i in range(n):
+        key = hash((key, *token_ids[i * block_tokens : (i + 1) * block_tokens]))
+        keys.append(key)
+    return keys
+
+
+@functools.lru_cache(maxsize=4096)
+def engine_salt(name: str) -> int:
+    """A stable integer per engine name (``hash(str)`` differs between processes)."""
+    return zlib.crc32(name.encode())
+
+
+class PrefixIndex:
+    """key -> engines expected to hold it; per engine, its keys in least-recently-used order.
+
+    The engines holding a key are a bit mask over engine numbers, not a set of names: a key
+    costs the index one int, which the garbage collector never scans (a set per key made its
+    passes over a large index the routing's main cost), and narrowing a prompt's holders block
+    by block is one ``&``."""
+
+    def __init__(self) -> None:
+        self.holders: dict[int, int] = {}  # key -> mask of engine bits
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}  # blocks; absent: not yet reported (unbounded)
+        self._epoch: dict[str, str] = {}
+        self._bit: dict[str, int] = {}  # engine -> its bit
+        self._engine: dict[int, str] = {}  # bit -> engine
+        self._free_bits: list[int] = []
+
+    def held(self, engine: str) -> int:
+        return len(self._lru.get(engine, ()))
+
+    def mask(self, engines: Iterable[str]) -> int:
+        bits = self._bit
+        out = 0
+        for engine in engines:
+            bit = bits.get(engine)
+            if bit is not None:
+                out |= bit
+        return out
+
+    def names(self, mask: int) -> set[str]:
+        out = set()
+        while mask:
+            low = mask & -mask
+            out.add(self._engine[low])
+            mask ^= low
+        return out
+
+    def record(self, engine: str, keys: Iterable[int]) -> None:
+        """``engine`` now holds these blocks (it was sent their prompt): most recently used."""
+        lru = self._lru.get(engine)
+        if lru is None:
+            lru = self._lru[engine] = OrderedDict()
+            bit = self._free_bits.pop() if self._free_bits else 1 << len(self._bit)
+            self._bit[engine], self._engine[bit] = bit, engine
+        bit = self._bit[engine]
+        holders = self.holders
+        for key in keys:
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+                holders[key] = holders.get(key, 0) | bit
+        self._evict(engine)
+
+    def set_capacity(self, engine: str, blocks: int) -> None:
+        """What the engine reports it can hold: older blocks past it are gone from its cache."""
+        if blocks > 0:
+            self._capacity[engine] = blocks
+            self._evict(engine)
+
+    def set_epoch(self, engine: str, epoch: str) -> None:
+        """The engine's start: a new one means an empty cache, whatever was recorded."""
+        if not epoch:
+            return
+        if self._epoch.get(engine, epoch) != epoch:
+            self.forget(engine)
+        self._epoch[engine] = epoch
+
+    def forget(self, engine: str) -> None:
+        for key in self._lru.pop(engine, ()):
+            self._drop(key, self._bit[engine])
+        bit = self._bit.pop(engine, None)
+        if bit is not None:
+            del self._engine[bit]
+            self._free_bits.append(bit)
+        self._capacity.pop(engine, None)
+        self._epoch.pop(engine, None)
+
+    def _evict(self, engine: str) -> None:
+        capacity = self._capacity.get(engine)
+        lru = self._lru.get(engine)
+        if capacity is None or lru is None:
+            return
+        bit = self._bit[engine]
+        while len(lru) > capacity:
+            key, _ = lru.popitem(last=False)
+            self._drop(key, bit)
+
+    def _drop(self, key: int, bit: int) -> None:
+        mask = self.holders.get(key, 0) & ~bit
+        if mask:
+            self.holders[key] = mask
+        else:
+            self.holders.pop(key, None)
+
+    def deepest(self, keys: Sequence[int], candidates: int) -> tuple[int, int]:
+        """(the longest prefix of the prompt a candidate holds, in blocks; the mask of the
+        candidates holding it, 0 when none holds its first block)."""
+        alive = candidates
+        longest = 0
+        holders = self.holders
+        for i, key in enumerate(keys):
+            still = holders.get(key, 0) & alive
+            if not still:
+                break
+            alive, longest = still, i + 1
+        return (longest, alive) if longest else (0, 0)
+
+
+# (engine, its load score: balancer.py, lower is less loaded). A plain tuple: one is made per
+# engine per choice, and a class's constructor was the choice's main cost with 100 engines.
+Candidate = tuple[str, int]
+
+
+def within_bound(candidates: Sequence[Candidate], max_imbalance: float, request_load: int) -> list[Candidate]:
+    """The candidates whose load stays within ``max_imbalance`` times the mean, with room for
+    this request (so that an idle pool, all at 0, is all eligible). Never empty: the least loaded
+    is always within the mean."""
+    mean = sum(load for _, load in candidates) / len(candidates)
+    bound = max_imbalance * mean + request_load
+    return [c for c in candidates if c[1] <= bound] or [min(candidates, key=lambda c: c[1])]
+
+
+_MASK = (1 << 64) - 1
+
+
+def weight(key: int, salt: int) -> int:
+    """A well-mixed 64-bit weight of (key, engine): SplitMix64's finaliser. Python's own tuple
+    hash leaves weights of nearby salts correlated, which piles prefixes on a few engines."""
+    x = (key ^ (salt * 0x9E3779B97F4A7C15)) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def rendezvous(key: int, names: Iterable[str], salt: Callable[[str], int] = engine_salt) -> str:
+    """The name with the highest weight for ``key``: the same answer in every process."""
+    return max(names, key=lambda name: weight(key, salt(name)))
+
+
+def choose(
+    index: PrefixIndex,
+    keys: Sequence[int],
+    candidates: Sequence[Candidate],
+    *,
+    max_imbalance: float,
+    request_load: int,
+) -> tuple[str, int]:
+    """(the engine for a prompt with these block keys, the blocks it is expected to hold)."""
+    eligible = within_bound(candidates, max_imbalance, request_load)
+    best, holding = index.deepest(keys, index.mask(name for name, _ in eligible))
+    tied = index.names(holding) if holding else {name for name, _ in eligible}
+    if len(tied) == 1:
+        return next(iter(tied)), best
+    if best < len(keys):
+        return rendezvous(keys[best], tied), best
+    if keys:  # the whole prompt is held by several: the least loaded of them
+        loads = dict(eligible)
+        return min(tied, key=lambda name: (loads[name], -weight(keys[-1], engine_salt(name)))), best
+    return min(eligible, key=lambda c: c[1])[0], 0
