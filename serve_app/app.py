@@ -89,7 +89,7 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
             graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
             **({"max_surge_percent": group.max_surge_percent} if group.max_surge_percent is not None else {}),
             request_router_config=RequestRouterConfig(request_router_class=ENGINE_REQUEST_ROUTER),
-            # The router polls stats twice a second; access logs would be mostly that.
+            # The router polls every engine's stats (router.stats_interval_s); access logs would be mostly that.
             logging_config={"enable_access_log": False, "encoding": config.log_encoding, "log_level": config.log_level},
             ray_actor_options={
                 "num_cpus": first.num_cpus,

@@ -5,19 +5,18 @@ and back is Serve messages queueing in busy processes, and each Serve message cr
 threads on both ends (Serve's gRPC transport: gRPC's I/O threads, its completion-queue poller,
 the replica's event loop). Here a call is one HTTP/1.1 request on a kept-alive loopback
 connection, read and written by the event loops themselves (uvicorn with httptools in the
-replica, aiohttp in the router): measured on the 2-core development host, at c=8 the mock
-engine's app served half as many tokens again and the real engines' a sixth more, with less
-CPU in every replica (README, Performance). Serve still deploys, restarts, health-checks and
-scales the replicas, and its handles still carry the stats polls, and the calls themselves
+replica, aiohttp in the router), which leaves every replica more CPU for its own work
+(docs/performance.md, "What made the difference"). Serve still deploys, restarts, health-checks
+and scales the replicas, and its handles still carry the stats polls, and the calls themselves
 until the router has heard of this endpoint.
 
 Two routes, one per call the router makes: ``POST /generate`` streams ``Decode.generate``'s
-events, ``POST /run`` answers ``Prefill.run``. Bodies are engine_wire's frames. Each replica
-makes its own random token at start and reports it, with the URL, in its stats (over Serve, to
-the router only); a request without it is refused before its body is read, so nothing else on
-the host or network can make an engine run anything. The call runs only while its client
-listens: a closed connection cancels it, and with it the engine's request (its KV blocks), as a
-cancelled Serve call does.
+events, ``POST /run`` answers ``Prefill.run``. Bodies are wire/frames.py's frames. Each replica
+makes its own random token at start and reports it, with the URL, in its replica metadata and
+its stats (both over Serve, to the routers only); a request without it is refused before its
+body is read, so nothing else on the host or network can make an engine run anything. The call
+runs only while its client listens: a closed connection cancels it, and with it the engine's
+request (its KV blocks), as a cancelled Serve call does.
 """
 
 from __future__ import annotations

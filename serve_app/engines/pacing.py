@@ -1,16 +1,16 @@
 """How often an engine replica sends a stream's next item.
 
-Every item a replica streams through a Serve handle costs a fixed amount of CPU on both ends
-(Ray's object and actor-call machinery), whatever it carries, and on a small host that cost, not
-pd-serve's or vLLM's own work, decides throughput. So a replica spaces out its streams' items to
-keep their sum under a budget (``items_per_s``): a lone stream sends each delta the moment it is
-ready (no added latency at low load), and n concurrent streams each send at most every
-``(n - 1) / items_per_s`` seconds, while the engine merges the steps in between into the next
-delta. The first delta of a stream (its first token) is never held, nor is its last: a stream
-waits through ``FinishSignal.hold``, which ends the moment its request finishes in the engine.
-Holding the last delta kept the client's request open for nothing (and, at a fixed number of
-clients, the next one from starting): half an interval on average, 9 ms of a 160 ms request at
-c=8, 40 ms of a 330 ms one at c=32.
+Every item a replica streams costs a fixed amount of CPU on both ends, whatever it carries (a
+frame written and read over the engine's HTTP endpoint, or Ray's object and actor-call machinery
+through a Serve handle), and on a small host that cost, not pd-serve's or vLLM's own work,
+decides throughput. So a replica spaces out its streams' items to keep their sum under a budget
+(``items_per_s``): a lone stream sends each delta the moment it is ready (no added latency at low
+load), and n concurrent streams each send at most every ``(n - 1) / items_per_s`` seconds, while
+the engine merges the steps in between into the next delta. The first delta of a stream (its
+first token) is never held, nor is its last: a stream waits through ``FinishSignal.hold``, which
+ends the moment its request finishes in the engine, since holding the last delta would keep the
+client's request open for nothing (and, at a fixed number of clients, the next one from
+starting) for half an interval on average.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What an engine replica needs of the engine it owns: the seam between the Serve deployments
 (engines/server.py, prefill.py, decode.py) and the engines behind them, vLLM's ``AsyncLLM``
 (engines/vllm_runner.py) or the mock engine (engines/mock_runner.py). Both satisfy this Protocol;
-tests/unit/test_pools.py checks it, so a method one of them lacks fails there and not at a
-replica's first call."""
+tests/unit/test_runner_protocol.py checks it, so a method one of them lacks fails there and not
+at a replica's first call."""
 
 from __future__ import annotations
 

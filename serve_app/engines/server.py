@@ -104,7 +104,8 @@ class EngineServer:
         self._tags = {"role": spec.role, "engine": spec.name}
         self._metrics = engine_metrics()
         self._gauge_task = asyncio.get_running_loop().create_task(self._report_gauges())
-        # Last: the router learns of it from the stats, and then its calls may come at once.
+        # Last: the router learns of it from the replica's metadata or its stats, and then its
+        # calls may come at once.
         self.call_server = EngineCallServer(side_channel_host(), self) if spec.call_server else None
         freeze_startup_heap(f"engine replica {spec.name}")
 

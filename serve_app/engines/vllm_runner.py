@@ -3,7 +3,7 @@
 Token ids in, token deltas out: the router has already tokenized, so the engine is given a
 ``TokensInput`` and never sees text. Deltas are paced (engines/pacing.py): while the wrapper
 waits, AsyncLLM's own output collector merges the engine steps that arrive, so concurrent
-streams cost fewer Ray items than tokens.
+streams cost fewer streamed items than tokens.
 """
 
 from __future__ import annotations

@@ -5,10 +5,8 @@ a forward, each asking the worker whether a transfer finished, and sleeps 1 ms a
 ``time.sleep`` in ``EngineCoreProc._process_engine_step``, vllm/v1/engine/core.py). Between a
 prompt's last KV frame and its first decode step that poll puts two sleeps: one before the step
 whose worker reports the transfer, and one after it, before the step that schedules the request.
-That is every lone request's hand-off, and at c=8 the start of every batch whose requests all
-wait for their KV. (Measured at c=1 on the 2-core development host: from the push's done frame to
-the first token at the decode replica, p50 5.6 and 5.8 ms before, 3.9 and 4.7 ms with the
-doorbell, in alternated starts.)
+That is every lone request's hand-off, and under load the start of every batch whose requests
+all wait for their KV (docs/performance.md, "What made the difference").
 
 So the consumer's two processes get a doorbell: the engine core's scheduler side binds a UDP
 socket on the loopback (its port goes to the worker in each step's connector metadata), and the

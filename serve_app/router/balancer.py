@@ -29,7 +29,7 @@ class EngineLoad:
     kv_used_tokens: int = 0  # reported by the engine
     kv_capacity_tokens: int = 0  # reported by the engine
     num_waiting: int = 0  # reported by the engine
-    healthy: bool = False  # until its first stats answer: a starting engine takes no work
+    healthy: bool = False  # until its first stats answer, or Serve lists it running (EnginePool.join)
     draining: bool = False  # Serve is stopping it: never chosen again
 
 

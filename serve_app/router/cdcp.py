@@ -295,11 +295,11 @@ class AttemptRun:
         """The stream's next item, or the error that ended it; None once a deadline has passed.
 
         With no prefill call to race, the stream is read here, in the attempt's own task, not
-        through a task and an ``asyncio.wait`` per item (7% of the router's time in a profile on
-        the mock engine at c=32). Items the engine sent while the router was busy are then read
+        through a task and an ``asyncio.wait`` per item, a cost the router would pay on every
+        streamed item. Items the engine sent while the router was busy are then read
         without a turn of the event loop between them, so their chunks leave in one write
         (``service.sse_body`` lets the first one go alone). A cancellation (the client gone)
-        goes through the read into the stream, as it went into the read's task; ``close``
+        goes through the read into the stream, as it would into a read's task; ``close``
         cancels the stream either way. The read's timeout scope is also how ``decode_leaving``
         wakes it (``_LEFT``)."""
         left = self._time_left()

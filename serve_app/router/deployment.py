@@ -54,7 +54,8 @@ def engine_handle(handle: Any, transport: str) -> Any:
     throughput-optimized mode) calls and streamed items go straight to the replica's gRPC server
     instead of through Ray's object store: about a millisecond less per call and much less CPU per
     streamed item on both ends. Our messages are plain dataclasses: pickle, not cloudpickle. With
-    ``http`` the handle carries the stats polls, and the calls until an engine's endpoint is known."""
+    ``http`` it carries only the calls made before an engine's endpoint is known. The stats polls
+    take the deployment's plain handle whatever the transport (``EnginePool.attach``)."""
     if transport in ("grpc", "http"):
         if not unchanged([HANDLE_OPTIONS], logger, f"by-value engine calls over {transport} (they go through Ray's object store)"):
             return handle

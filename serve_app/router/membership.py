@@ -2,8 +2,9 @@
 
 Ray Serve tells every handle's request router which replicas of a deployment are RUNNING, through
 its long-poll from the controller: a replica joins that list once its constructor has returned
-and leaves it the moment Serve starts stopping it (downscale, redeploy, ``serve.delete``), before
-it drains. pd-serve's request router (``router/replica_router.py``) publishes each list here; the
+and leaves it when Serve stops it (downscale, redeploy, ``serve.delete``), which on Ray Serve 2.60
+reaches the routers late, after the replica's own drain has begun: the replica also says so itself
+(docs/design.md, "Pools"). pd-serve's request router (``router/replica_router.py``) publishes each list here; the
 router's engine pool subscribes and turns the lists into joins and leaves. Each replica describes
 itself once, when it starts (``record_replica_metadata``: its role, rank, call endpoint and KV
 endpoint), and Serve hands that to every router along with the replica, so a new engine is
@@ -11,9 +12,8 @@ callable as soon as the router sees it, without a poll.
 
 Costs: Serve sends a deployment's whole list on each change, to each router replica, so a change
 in a pool of N replicas costs each of R router replicas O(N) here (a set difference) and Serve's
-controller O(N x R) messages; between changes nothing is sent. With 100 replicas per pool and 8
-router replicas, one replica starting costs each router a diff of 100 ids (tests/unit/
-test_membership.py measures it with fakes at that size) and the controller 8 messages.
+controller R messages of N replicas each, O(N x R) in all; between changes nothing is sent.
+tests/unit/test_pools.py runs the diffs with fakes at 100 replicas per pool.
 """
 
 from __future__ import annotations

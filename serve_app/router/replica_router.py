@@ -5,11 +5,12 @@ It does two things Serve's own power-of-two router does not:
 
 * **Pinned calls.** pd-serve's schedule picks the engine (by its own load view, decode first); a
   call that names a replica (``replica=<Serve replica id>`` among its keyword arguments) goes to
-  that replica and no other. Stats polls, ``inspect`` calls and, with ``engine_transport: grpc``
-  or ``ray``, every engine call are pinned this way. A pinned call whose replica is not running
-  (it stopped meanwhile) waits in Serve's queue, as any call does while no replica can take it;
-  the caller's own deadline ends it. Calls that name no replica are routed as Serve's default
-  router does: the least loaded of two.
+  that replica and no other. Stats polls, ``inspect`` calls and the engine calls that go through
+  Serve (every one with ``engine_transport: grpc`` or ``ray``; with ``http``, those made before
+  the engine's own endpoint is known) are pinned this way. A pinned call whose replica is not
+  running (it stopped meanwhile) waits in Serve's queue, as any call does while no replica can
+  take it; the caller's own deadline ends it. Calls that name no replica are routed as Serve's
+  default router does: the least loaded of two.
 * **Membership.** Each list of running replicas Serve sends is published to the process's
   ``MEMBERSHIP`` (router/membership.py), where the router's engine pool learns of joins and
   leaves.
@@ -61,7 +62,7 @@ class EngineRequestRouter(RequestRouter):
             # Every candidate is offered at once (no locality tiers): when none can take the call
             # (the pinned replica is gone, or all are full), Serve must back off before asking
             # again. Without this, its routing loop asks again at once, never yielding the event
-            # loop: a pinned call to a replica that died froze the router replica.
+            # loop: a pinned call to a replica that died would freeze the router replica.
             pending_request.routing_context.should_backoff = True
 
         if pin is not None:

@@ -239,7 +239,7 @@ class ResponseSession:
                     "pd_attempts": self.machine.attempts,
                     "pd_engines": ",".join(self._engines),
                     # Every request's line goes to the replica's log file (and the dashboard)
-                    # only: on stderr too it cost the router a second formatted write per
+                    # only: on stderr too it would cost the router a second formatted write per
                     # request, for a console that cannot be read at hundreds of lines a second.
                     "log_to_stderr": False,
                 },

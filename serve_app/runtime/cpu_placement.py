@@ -4,12 +4,11 @@ vLLM binds each CPU engine's worker threads to cores (``VLLM_CPU_OMP_THREADS_BIN
 ``cpu_bind`` chooses them). Two rules follow from how the processes take turns:
 
 * an engine's EngineCore runs on its workers' cores (``vllm_plugins/core_affinity.py``): the two
-  alternate every step, and a core running elsewhere queued for a CPU at every step;
+  alternate every step, and a core running elsewhere would queue for a CPU at every step;
 * the router and engine replicas run on the cores no engine is bound to, when the host has any
-  (``replica_cpus: spare``): a replica on an engine's core preempts that engine's forward.
-  Measured on the 2-core development host, colocated (one engine on core 0), c=8, the same
-  running app alternating the two placements three times: throughput +10% (means of three).
-  Where engines hold every core (two engines on two cores) the replicas run anywhere.
+  (``replica_cpus: spare``): a replica on an engine's core preempts that engine's forward
+  (docs/performance.md, "What made the difference"). Where engines hold every core (two engines
+  on two cores) the replicas run anywhere.
 
 The engines' cores are read from the app's own engine specs, which assume every engine runs on a
 host like the one the app was built on; on a cluster of unlike hosts, set ``replica_cpus: all``.

@@ -2,10 +2,10 @@
 
 A port the kernel hands out for ``bind(0)`` comes from its ephemeral range, where it can become
 the local end of an outgoing connection (Ray's processes open many) before the server binds it,
-which then fails with "Address already in use": a benchmark run once lost a router replica's
-start that way. Ray's workers bind ports from 10002-19999 (its default ``min_worker_port`` and
-``max_worker_port``) as they start. So such ports come from between the two. The integration
-tests, the serving benchmark and an engine whose configured KV port is taken all pick here.
+which then fails with "Address already in use", and a replica's start with it. Ray's workers
+bind ports from 10002-19999 (its default ``min_worker_port`` and ``max_worker_port``) as they
+start. So such ports come from between the two. The integration tests, the serving benchmark and
+an engine whose configured KV port is taken all pick here.
 """
 
 from __future__ import annotations

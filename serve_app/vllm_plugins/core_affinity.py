@@ -7,10 +7,7 @@ and hands it over while the worker waits. A free-running core, woken for that tu
 CPU behind whatever else runs there: on a small host the router, the engine replicas, the other
 engine and Ray, so every decode step waits for it. On its workers' own cores the only other thread
 ready to run is the worker that is waiting for it (and yields: it spins with ``sched_yield``).
-Measured on the 2-core development host, c=8, the same running app alternating the two
-placements three times (means): throughput +12% colocated and +13% disaggregated, TPOT p50
-3.2 -> 2.8 ms and 2.7 -> 2.3 ms; vLLM's own server, measured the same way, -4%, within its
-spread.
+See docs/performance.md, "What made the difference".
 
 ``install`` is a vLLM general plugin (pyproject's ``vllm.general_plugins`` entry point); vLLM
 loads the plugins in the EngineCore process before it starts the workers. It acts only there,

@@ -4,14 +4,8 @@ torch's Gloo backend gives every process group a TCP device of its own, and ever
 event-loop thread that wakes every 10 ms (gloo's loop polls with that timeout) whether or not
 its group ever communicates. vLLM makes two groups per parallel dimension (world, TP, PP, DP,
 EP, DCP, PCP, ...: a device group and a CPU group, both Gloo on the CPU), so each CPU worker
-runs 13 such threads, about 1,300 wake-ups a second on the cores the worker is bound to, each a
-chance to preempt a forward pass. Measured on the 2-core development host, disaggregated, c=8:
-the two workers' Gloo threads made 4.6 of the app's 13.9 voluntary context switches per output
-token and took 1.1 of its CPU-seconds over a 30 s run; making them SCHED_IDLE at run time on
-one app, alternated four times, read +8%, +10% and +13% throughput with TTFT p50 lower each
-time (the fourth pair fell into a slowdown of the whole host). With this plug-in: 8.0 voluntary
-switches per token, the Gloo thread's CPU 0.1 s; whole starts with and without it, alternated in
-a slow spell of the host, were within the spread of c=8 throughput.
+runs 13 such threads, waking on the cores the worker is bound to, and each wake-up is a chance
+to preempt a forward pass (docs/performance.md, "What made the difference").
 
 A Gloo device is a transport endpoint that any number of groups (contexts) can share: their
 pairs multiplex over its one loop. ``install`` is a vLLM general plugin (pyproject's

@@ -4,28 +4,24 @@ vLLM's EngineCore and its worker pass every step through a shared-memory queue w
 after each message, busy-loops (``sched_yield``) for one second before it falls back to sleeping
 on a socket: the lowest latency when one engine owns its cores. pd-serve runs several engines,
 its router, Ray and Serve's proxy on the same few cores, and there a prefill engine that gets a
-prompt every few hundred milliseconds spins its core away for good (measured on the 2-core
-development host: the prefill worker spent 72% of its time in that loop under load, and
-disaggregated throughput was a fifth of colocated).
+prompt every few hundred milliseconds spins its core away for good, taking it from everything
+else on the host.
 
 A reader that stopped spinning sleeps on a ZeroMQ notification, and vLLM's writer drops a
-notification while the previous one is still in flight (its high-water mark is 1): on a busy small
-host that happens, and the reader then sleeps until its recheck interval, 5 s, with the step it
-should have read waiting (seen as 5-second stalls in the serving benchmark, in pd-serve and in
-vLLM's own server alike). So the plug-in lets the writer keep ``NOTIFY_HWM`` notifications in
-flight (the reader conflates them: nothing piles up), and shortens the recheck to ``RECHECK_MS``
-as a backstop.
+notification while the previous one is still in flight (its high-water mark is 1): on a busy
+small host that happens, and the reader then sleeps until its recheck interval, 5 s, with the
+step it should have read waiting (vLLM's own server stalls the same way). So the plug-in lets the
+writer keep ``NOTIFY_HWM`` notifications in flight (the reader conflates them: nothing piles up),
+and shortens the recheck to ``RECHECK_MS`` as a backstop.
 
-``install`` is a vLLM general plugin (pyproject's ``vllm.general_plugins`` entry point), loaded in
-every process vLLM starts before its queues exist. When the engine's environment sets
-``PD_SERVE_ENGINE_SPIN_S`` (the CPU backend does), the readers spin that long instead: still
-long enough to catch the next step of a busy engine without sleeping, short enough that an idle
-one gives its core back. ``PD_SERVE_ENGINE_CORE_SPIN_S`` bounds the engine core's own wait on its
-workers, which lasts a whole forward pass: spinning through it kept a second core busy for every
-running engine (measured: a disaggregated app's decode engine core spent 2.2 of the 7 CPU-seconds
-of a c=8 benchmark run spinning; with the core's spin at 0.1 ms it spent 0.7, and the app's
-throughput rose by half). Once no wake-up is lost, sleeping through a forward costs the core one
-wake-up of some tens of microseconds.
+``install`` is a vLLM general plugin (pyproject's ``vllm.general_plugins`` entry point), loaded
+in every process vLLM starts before its queues exist. When the engine's environment sets
+``PD_SERVE_ENGINE_SPIN_S`` (the CPU backend does), the readers spin that long instead: still long
+enough to catch the next step of a busy engine without sleeping, short enough that an idle one
+gives its core back. ``PD_SERVE_ENGINE_CORE_SPIN_S`` bounds the engine core's own wait on its
+workers, which lasts a whole forward pass: spinning through it would keep a second core busy for
+every running engine (docs/performance.md, "What made the difference"). Once no wake-up is lost,
+sleeping through a forward costs the core one wake-up of some tens of microseconds.
 """
 
 from __future__ import annotations

@@ -9,17 +9,15 @@ engine; so the logger here labels ``engine`` with the engine's name (``decode-0`
 dashboard query can join both. Exported as ``ray_vllm_<name>`` (Ray replaces the ``:``).
 
 vLLM's logger records the scheduler's gauges and counters on every engine step, a dozen Ray
-metric calls each time: on the 2-core development host the logger took about a fifth of a decode
-replica's CPU at c=8 (some 130 µs a step), more than half of it in that part. Ray exports metrics
-every few seconds, so the scheduler's state goes to the logger at most every
-``SCHEDULER_STATS_INTERVAL_S`` (``SchedulerStatsThrottle``), its prefix-cache counts (the local
-cache's and, on an engine with a KV connector, the connector's) summed over the steps in between;
-every step's iteration stats (tokens, TTFT, inter-token latency, finished requests) still go to
-it. Measured with py-spy on a decode replica at c=8: the logger's share of the output handler's
-time went from about a half to about a quarter. An engine with a KV connector (every
-disaggregated one) carries the connector's prefix-cache stats in every step's scheduler stats,
-mostly zeros; counted as per-step news they passed every step on, and the logger took two thirds
-of a disaggregated decode replica's output handler (py-spy, c=8) until they were summed too.
+metric calls each time: on a small host, unthrottled, the logger takes about a fifth of a decode
+replica's CPU, most of it in that part. Ray exports metrics every few seconds, so the scheduler's
+state goes to the logger at most every ``SCHEDULER_STATS_INTERVAL_S``
+(``SchedulerStatsThrottle``), its prefix-cache counts (the local cache's and, on an engine with a
+KV connector, the connector's) summed over the steps in between; every step's iteration stats
+(tokens, TTFT, inter-token latency, finished requests) still go to it. An engine with a KV
+connector (every disaggregated one) carries the connector's prefix-cache stats in every step's
+scheduler stats, mostly zeros: counted as per-step news they would pass every step on, so they
+are summed too.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Plain values that cross Ray handles between the router and the engines.
+"""Plain values that travel between the router and the engines: msgpack frames over an engine's
+own HTTP endpoint (wire/frames.py), or Serve handle calls.
 
-Only token ids travel: the router tokenizes once and the engines never see text prompts. The
-engine streams lists of events (several engine steps coalesced into one Ray item, since each
-streamed item costs about a millisecond on a small host).
+Only token ids travel: the router tokenizes once and the engines never see text prompts. A
+decode stream's ``TokenDelta`` carries every token since the previous one (several engine steps
+coalesced, engines/pacing.py), since each streamed item costs both ends a fixed amount of CPU.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class KVEndpoint:
 @dataclass(frozen=True)
 class EngineCallEndpoint:
     """Where an engine replica takes the router's calls over HTTP, and the token it wants
-    (engines/call_server.py); reported in its stats, which only travel over Serve."""
+    (engines/call_server.py); reported in its replica metadata and its stats, which only travel
+    over Serve."""
 
     url: str
     token: str = field(repr=False)

@@ -1,9 +1,10 @@
 """Sampling parameters on their way from the router to an engine.
 
 The router builds a vLLM ``SamplingParams`` (with vLLM's own request models) and sends it to the
-engines msgpack-encoded, as vLLM's own engine core protocol does: plain bytes cross the Ray
-handle, a vLLM engine decodes them back into ``SamplingParams``, and the mock engine reads the
-few fields it needs without importing vLLM (or torch).
+engines msgpack-encoded, as vLLM's own engine core protocol does: plain bytes travel in the
+``EngineRequest`` (over the engine's HTTP endpoint or a Serve handle), a vLLM engine decodes them
+back into ``SamplingParams``, and the mock engine reads the few fields it needs without importing
+vLLM (or torch).
 """
 
 from __future__ import annotations
