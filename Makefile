@@ -49,10 +49,12 @@ run: setup
 test: setup lint $(REFERENCE) $(VLLM023)
 	$(VENV)/bin/pytest
 
-# The fast tests alone (no Ray cluster, no vLLM engine, no subprocess runs): under a minute, with
-# the router's coverage.
+# The fast tests alone (no Ray cluster, no vLLM engine, no fresh Python processes: the others are
+# marked engine or slow), with the router's coverage: under a minute on 2 cores. In FAST_WORKERS
+# processes (pytest-xdist): most of these tests wait on deadlines and sockets rather than compute.
+FAST_WORKERS ?= 3
 test-fast: setup lint $(REFERENCE)
-	$(VENV)/bin/pytest -m "not engine and not slow" --cov=serve_app/router --cov-report=term --cov-fail-under=90
+	$(VENV)/bin/pytest -n $(FAST_WORKERS) --dist worksteal -m "not engine and not slow" --cov=serve_app/router --cov-report=term --cov-fail-under=90
 
 # The goodput benchmark (docs/performance.md): builds the medium model on first use and draws
 # docs/goodput.png; about an hour on 2 cores. Not part of `make test`.

@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,19 +32,21 @@ from serve_app.router.balancer import EngineLoad, ScoreFn, decode_score, prefill
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.leak_audit import LeakAudit
 from serve_app.router.membership import ReplicaInfo, diff
-from serve_app.router.prefix_index import PrefixIndex, chain_keys, choose
+from serve_app.router.prefix_index import PrefixIndex, RecentWork, chain_keys, choose
 from serve_app.wire.protocol import EngineCallEndpoint, EngineRequest, EngineStats, KVEndpoint, Role
 
 logger = logging.getLogger("pd_serve.router")
 
 SCORES: dict[Role, ScoreFn] = {"decode": decode_score, "prefill": prefill_score}
+# How long work sent to an engine counts in cache-aware routing's bound (halving each time).
+WORK_HALF_LIFE_S = 10.0
 
 
 def _outside_request(remote: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``remote(*args, **kwargs)`` (a handle call) as if made outside any Serve request. A call
     made while this replica serves a handle request (the handle API, ``engine_snapshot``) takes
-    that request's context with it, and pinned calls made so to an engine pool did not answer
-    (Ray Serve 2.60; unpinned calls to single-replica deployments did): the engine call is its
+    that request's context with it, and pinned calls made so to an engine pool do not answer
+    (Ray Serve 2.60; unpinned calls to single-replica deployments do): the engine call is its
     own request, not part of the client's."""
     return contextvars.Context().run(remote, *args, **kwargs)
 
@@ -74,6 +77,7 @@ class PrefixRouting:
     block_tokens: int
     max_imbalance: float
     index: PrefixIndex = field(default_factory=PrefixIndex)
+    recent: RecentWork = field(default_factory=lambda: RecentWork(WORK_HALF_LIFE_S))
 
 
 class EnginePool:
@@ -93,8 +97,8 @@ class EnginePool:
         self.stats_timeout_s = stats_timeout_s
         self.reported: dict[str, EngineStats] = {}
         self.audit = audit
-        # Ties rotate per role: one counter for both let an attempt's two picks (decode, then
-        # prefill) step it twice, so with two tied decode engines every attempt got the same one.
+        # Ties rotate per role: one counter for both would be stepped twice per attempt (decode,
+        # then prefill), so with two tied decode engines every attempt would get the same one.
         self._turn: dict[Role, itertools.count] = {"decode": itertools.count(), "prefill": itertools.count()}
         # router.engine_transport: http; calls then go to an engine's own endpoint once known,
         # through its Serve handle before.
@@ -111,7 +115,7 @@ class EnginePool:
     def attach(self, role: Role, handle: Any, stats_handle: Any = None) -> None:
         """The deployment handle of ``role``'s pool (its replicas join through ``update``), and
         the one its stats polls go through (default: the same). Serve's gRPC transport carries
-        the engine calls well, but a pinned unary poll through it did not answer inside the
+        the engine calls well, but a pinned unary poll through it does not answer inside the
         router replica (Ray Serve 2.60): polls then take Serve's default transport."""
         self._pool_handles[role] = (handle, handle.options(stream=True), stats_handle if stats_handle is not None else handle)
 
@@ -182,6 +186,7 @@ class EnginePool:
         self.reported.pop(name, None)
         if self.prefix is not None:
             self.prefix.index.forget(name)
+            self.prefix.recent.forget(name)
 
     @contextmanager
     def watch(self, name: str, on_leave: Callable[[], None]) -> Iterator[None]:
@@ -245,13 +250,17 @@ class EnginePool:
         if self.prefix is None or not prefix_keys:
             return random.choice(preferred)
         score = SCORES[role]
+        recent = self.prefix.recent
+        factor = recent.factor(time.monotonic())
         name, blocks = choose(
             self.prefix.index,
             prefix_keys,
-            [(load.name, score(load)) for load in preferred],
+            [(load.name, score(load), recent.scaled(load.name)) for load in preferred],
             max_imbalance=self.prefix.max_imbalance,
             request_load=request_load,
+            request_work=request_load * factor,
         )
+        recent.add(name, request_load, factor)
         self.prefix.index.record(name, prefix_keys)
         if self.on_prefix_choice is not None and blocks:
             self.on_prefix_choice(role, name, blocks * self.prefix.block_tokens)

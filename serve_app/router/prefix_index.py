@@ -54,9 +54,9 @@ class PrefixIndex:
     """key -> engines expected to hold it; per engine, its keys in least-recently-used order.
 
     The engines holding a key are a bit mask over engine numbers, not a set of names: a key
-    costs the index one int, which the garbage collector never scans (a set per key made its
-    passes over a large index the routing's main cost), and narrowing a prompt's holders block
-    by block is one ``&``."""
+    costs the index one int, which the garbage collector never scans (a set per key would make
+    its passes over a large index the routing's main cost), and narrowing a prompt's holders
+    block by block is one ``&``."""
 
     def __init__(self) -> None:
         self.holders: dict[int, int] = {}  # key -> mask of engine bits
@@ -159,18 +159,52 @@ class PrefixIndex:
         return (longest, alive) if longest else (0, 0)
 
 
-# (engine, its load score: balancer.py, lower is less loaded). A plain tuple: one is made per
-# engine per choice, and a class's constructor was the choice's main cost with 100 engines.
-Candidate = tuple[str, int]
+# (engine, its load score now: balancer.py, lower is less loaded; the work sent to it lately:
+# ``RecentWork``). A plain tuple: one is made per engine per choice, the choice's main cost
+# with a hundred engines.
+Candidate = tuple[str, int, float]
 
 
-def within_bound(candidates: Sequence[Candidate], max_imbalance: float, request_load: int) -> list[Candidate]:
-    """The candidates whose load stays within ``max_imbalance`` times the mean, with room for
-    this request (so that an idle pool, all at 0, is all eligible). Never empty: the least loaded
-    is always within the mean."""
-    mean = sum(load for _, load in candidates) / len(candidates)
-    bound = max_imbalance * mean + request_load
-    return [c for c in candidates if c[1] <= bound] or [min(candidates, key=lambda c: c[1])]
+def within_bound(candidates: Sequence[Candidate], max_imbalance: float, request_load: int, request_work: float = 0.0) -> list[Candidate]:
+    """The candidates within ``max_imbalance`` times the mean, with room for this request (so an
+    idle pool, all at 0, is all eligible), in both the load now and the work sent lately. The
+    load now alone misses an engine that takes every short call of a popular prefix: each is
+    done before the next choice sees it. Never empty: else the least loaded now."""
+    n = len(candidates)
+    load_bound = max_imbalance * sum(c[1] for c in candidates) / n + request_load
+    work_bound = max_imbalance * sum(c[2] for c in candidates) / n + request_work
+    return [c for c in candidates if c[1] <= load_bound and c[2] <= work_bound] or [min(candidates, key=lambda c: c[1])]
+
+
+class RecentWork:
+    """Work sent to each engine, decaying by half every ``half_life_s``: the long-run share the
+    bound keeps even. Values are kept multiplied by 2^(t / half_life_s), so adding is one
+    multiplication and comparing engines at one moment needs no decay at all; they are rescaled
+    before the factor grows large."""
+
+    def __init__(self, half_life_s: float) -> None:
+        self.half_life_s = half_life_s
+        self._origin: float | None = None
+        self._scaled: dict[str, float] = {}
+
+    def factor(self, now: float) -> float:
+        """What work sent at ``now`` weighs in ``scaled`` units."""
+        if self._origin is None:
+            self._origin = now
+        factor = 2.0 ** ((now - self._origin) / self.half_life_s)
+        if factor > 1e12:
+            self._scaled = {engine: value / factor for engine, value in self._scaled.items()}
+            self._origin, factor = now, 1.0
+        return factor
+
+    def add(self, engine: str, work: float, factor: float) -> None:
+        self._scaled[engine] = self._scaled.get(engine, 0.0) + work * factor
+
+    def scaled(self, engine: str) -> float:
+        return self._scaled.get(engine, 0.0)
+
+    def forget(self, engine: str) -> None:
+        self._scaled.pop(engine, None)
 
 
 _MASK = (1 << 64) - 1
@@ -197,16 +231,17 @@ def choose(
     *,
     max_imbalance: float,
     request_load: int,
+    request_work: float = 0.0,
 ) -> tuple[str, int]:
     """(the engine for a prompt with these block keys, the blocks it is expected to hold)."""
-    eligible = within_bound(candidates, max_imbalance, request_load)
-    best, holding = index.deepest(keys, index.mask(name for name, _ in eligible))
-    tied = index.names(holding) if holding else {name for name, _ in eligible}
+    eligible = within_bound(candidates, max_imbalance, request_load, request_work)
+    best, holding = index.deepest(keys, index.mask(c[0] for c in eligible))
+    tied = index.names(holding) if holding else {c[0] for c in eligible}
     if len(tied) == 1:
         return next(iter(tied)), best
     if best < len(keys):
         return rendezvous(keys[best], tied), best
     if keys:  # the whole prompt is held by several: the least loaded of them
-        loads = dict(eligible)
+        loads = {c[0]: c[1] for c in eligible}
         return min(tied, key=lambda name: (loads[name], -weight(keys[-1], engine_salt(name)))), best
     return min(eligible, key=lambda c: c[1])[0], 0

@@ -1,6 +1,6 @@
 """Decode-first disaggregation on real vLLM CPU engines: 2 prefill + 2 decode engines, the
 layerwise push connector, the metaserver relay, and faults injected by the test-only seams of
-tests/faults.py (requested through the prompt)."""
+tests/support/faults.py (requested through the prompt)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.faults import BREAK_PUSH, CORRUPT_KV, FAULTS, PREFILL_RAISE, PUSH_DELAY, SKIP_METASERVER, faulty_prompt
-from tests.integration.conftest import (
+from tests.support.cluster import (
     busy_engine,
     completion_ids,
     deployed,
@@ -26,6 +25,7 @@ from tests.integration.conftest import (
     wait_healthy,
     wait_idle,
 )
+from tests.support.faults import BREAK_PUSH, CORRUPT_KV, FAULTS, PREFILL_RAISE, PUSH_DELAY, SKIP_METASERVER, faulty_prompt
 
 pytestmark = pytest.mark.engine
 

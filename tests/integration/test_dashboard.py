@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from serve_app.config.settings import REPO_ROOT
-from tests.faults import BREAK_PUSH, FAULTS, PREFILL_UNHEALTHY, faulty_prompt
-from tests.integration.conftest import completion_ids, deployed, kv_pressure_args, metric_lines, token_pattern, wait_idle
+from tests.support.cluster import completion_ids, deployed, kv_pressure_args, metric_lines, token_pattern, wait_idle
+from tests.support.faults import BREAK_PUSH, FAULTS, PREFILL_UNHEALTHY, faulty_prompt
 
 pytestmark = pytest.mark.engine
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import requests
 
-from tests.integration.conftest import LogWatch, deploy, serve_yaml_app, wait_for_metrics, wait_idle
+from tests.support.cluster import LogWatch, deploy, serve_yaml_app, wait_for_metrics, wait_idle
 
 pytestmark = pytest.mark.engine
 

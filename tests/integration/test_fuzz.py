@@ -1,6 +1,6 @@
 """Property-based fuzzing of the OpenAI routes on the app of configs/serve.yaml (real engines).
 
-Hypothesis builds request bodies from every field the two routes know (tests/fuzz_strategies.py:
+Hypothesis builds request bodies from every field the two routes know (tests/support/fuzz_strategies.py:
 sensible, borderline and hostile values, unbounded integers, lone surrogates, client templates,
 fields pd-serve refuses), and raw bodies that are not JSON, nested past any parser's limit or
 just over the router's size limit. Whatever comes in, the answer is a 2xx or a 4xx with an
@@ -19,8 +19,8 @@ import pytest
 import requests
 from hypothesis import HealthCheck, example, given, settings
 
-from tests.fuzz_strategies import CHAT_ONLY, CLIENT_ERRORS, COMPLETIONS_ONLY, bodies, messages, oversized, prompts, raw_bodies
-from tests.integration.conftest import deploy, serve_yaml_app, wait_idle
+from tests.support.cluster import deploy, serve_yaml_app, wait_idle
+from tests.support.fuzz_strategies import CHAT_ONLY, CLIENT_ERRORS, COMPLETIONS_ONLY, bodies, messages, oversized, prompts, raw_bodies
 
 pytestmark = pytest.mark.engine
 
@@ -38,9 +38,9 @@ def app(cluster):
     serve.delete(deployed.name)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def own_requests(app) -> Iterator[None]:
-    """Each test's leak check covers its own requests only: the app must be idle before the test
+    """Every test's leak check, covering its own requests only: the app must be idle before the test
     starts (else the setup errors, naming what an earlier test left), and idle again after it
     (else this test fails). Without the first check a test's last check read whatever the tests
     before it left, and passed or failed by the order the tests ran in."""
@@ -84,9 +84,9 @@ fuzz = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress
 
 # The @example bodies are requests only the engine can judge (vLLM checks them against the
 # model's vocabulary when the request is added): always tried, whatever hypothesis draws.
-# Each test runs its examples; its own_requests fixture then checks that nothing they started is
-# still held.
-def test_fuzzed_completions_get_2xx_or_an_openai_4xx(app, own_requests):
+# Each test runs its examples; the own_requests fixture (autouse) then checks that nothing they
+# started is still held.
+def test_fuzzed_completions_get_2xx_or_an_openai_4xx(app):
     @fuzz
     @given(body=bodies("prompt", prompts, COMPLETIONS_ONLY))
     @example(body={"prompt": "The river", "max_tokens": 4, "logit_bias": {"1050": 5.0}})
@@ -106,7 +106,7 @@ def test_fuzzed_completions_get_2xx_or_an_openai_4xx(app, own_requests):
     fuzzed()
 
 
-def test_fuzzed_chat_completions_get_2xx_or_an_openai_4xx(app, own_requests):
+def test_fuzzed_chat_completions_get_2xx_or_an_openai_4xx(app):
     @fuzz
     @given(body=bodies("messages", messages, CHAT_ONLY))
     @example(body={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logit_bias": {"2000": -5.0}})
@@ -120,7 +120,7 @@ def test_fuzzed_chat_completions_get_2xx_or_an_openai_4xx(app, own_requests):
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_raw_and_oversized_bodies_get_an_openai_4xx(app, own_requests, path):
+def test_raw_and_oversized_bodies_get_an_openai_4xx(app, path):
     @settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(raw=raw_bodies)
     def fuzzed(raw: bytes) -> None:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.integration.conftest import BASELINE_ARGS, deployed, wait_idle
+from tests.support.cluster import BASELINE_ARGS, deployed, wait_idle
 
 pytestmark = pytest.mark.engine
 

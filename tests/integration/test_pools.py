@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.integration.conftest import LogWatch, completion_ids, deployed, inspect, sse_chunks, token_pattern, wait_idle
+from tests.support.cluster import LogWatch, completion_ids, deployed, inspect, sse_chunks, token_pattern, wait_idle
 
 pytestmark = pytest.mark.engine
 
@@ -171,7 +171,9 @@ GRPC = {
     "engine_kwargs": ENGINE_KWARGS,
     "prefill": {"num_replicas": 1, "num_cpus": 0.2},
     "decode": {"num_replicas": 2, "num_cpus": 0.2},
-    "router": {"mode": "disaggregated", "num_cpus": 0.1, "engine_transport": "grpc", "timeouts": TIMEOUTS},
+    # By load, so both decode engines serve these few prompts (by prefix each goes where its
+    # hash says): what is checked here is that each call reaches the replica chosen.
+    "router": {"mode": "disaggregated", "num_cpus": 0.1, "engine_transport": "grpc", "balancer": "load", "timeouts": TIMEOUTS},
 }
 
 

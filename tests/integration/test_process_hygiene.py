@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.integration import namespaces
+from tests.support import namespaces
 
 pytestmark = pytest.mark.engine
 
@@ -77,7 +77,7 @@ def test_a_busy_kv_port_is_replaced_by_a_free_one(cluster):
     with every KVReady, and disaggregated requests work."""
     import socket
 
-    from tests.integration.conftest import LogWatch, completion_ids, deployed, token_pattern, wait_idle
+    from tests.support.cluster import LogWatch, completion_ids, deployed, token_pattern, wait_idle
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))

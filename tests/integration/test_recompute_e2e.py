@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.integration.conftest import (
+from tests.support.cluster import (
     busy_engine,
     deployed,
     inspect,

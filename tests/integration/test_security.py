@@ -19,7 +19,7 @@ import requests
 
 from serve_app.wire.protocol import EngineRequest, KVReady, TokenDelta
 from serve_app.wire.sampling import encode_sampling
-from tests.integration.conftest import deployed, engine_handles, inspect, post, wait_idle
+from tests.support.cluster import deployed, engine_handles, inspect, post, wait_idle
 
 pytestmark = pytest.mark.engine
 

@@ -4,7 +4,7 @@ engine on each node, KV pushed across a veth pair, and node 2 lost under load.
 The test makes the two nodes itself, in namespaces of its own (``unshare``: PID, network and
 mount; nothing outside them is touched): node 1 is the test's network namespace (198.18.0.1,
 the Ray head), node 2 a named network namespace inside it (198.18.0.2, a Ray worker node), joined
-by a veth pair in the benchmarking range 198.18.0.0/15. tests/integration/two_nodes_driver.py
+by a veth pair in the benchmarking range 198.18.0.0/15. tests/support/two_nodes_driver.py
 then deploys the app and checks: greedy output token-exact against colocated; KV transfers that
 really went to node 2 (prefill's transfer records name node 2's side channel); after node 2's
 raylet is killed under load every in-flight request ends, completed token-exact on node 1's
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration import namespaces
+from tests.support import namespaces
 
 pytestmark = pytest.mark.engine
 
@@ -43,7 +43,7 @@ ip netns exec pdnode2 env RAY_TMPDIR="$WORK/n2" .venv/bin/ray start --address 19
   --node-ip-address 198.18.0.2 --num-cpus 2 --resources '{"pd_decode": 1}' >"$WORK/node2.log" 2>&1 \
   || { cat "$WORK/node2.log"; say "node 2 did not join"; exit 1; }
 say "Ray head on 198.18.0.1, worker on 198.18.0.2"
-RAY_TMPDIR="$WORK/n1" RAY_ADDRESS=198.18.0.1:6379 .venv/bin/python tests/integration/two_nodes_driver.py
+RAY_TMPDIR="$WORK/n1" RAY_ADDRESS=198.18.0.1:6379 .venv/bin/python tests/support/two_nodes_driver.py
 rc=$?
 if [ $rc -ne 0 ]; then
   for f in "$WORK"/n1/session_latest/logs/serve/*.log; do echo "== $f"; tail -n 30 "$f"; done

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture
-def engines_without_ray(monkeypatch):
-    """Engine replicas report to Ray's metrics; in the in-process app they report to nothing."""
-    import serve_app.engines.server as server
-    from tests.unit.inprocess import null_engine_metrics
-
-    monkeypatch.setattr(server, "engine_metrics", null_engine_metrics)
+@pytest.fixture(params=["grpc", "http"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """``router.engine_transport`` of the in-process app (tests/support/inprocess.py): its calls to
+    the engines through the Serve handle stand-ins (grpc), or over the engines' own HTTP endpoints
+    (http). A test that takes it runs once over each."""
+    return request.param

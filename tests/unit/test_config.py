@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from serve_app.config.settings import ConfigError, load_config
-from tests.integration.conftest import SERVE_YAML
+from tests.support.cluster import SERVE_YAML
 
 
 def test_serve_yaml_is_valid_and_explicit_about_cpus():

@@ -1,12 +1,12 @@
 """Router-engine calls over the engines' own HTTP endpoints (``router.engine_transport: http``):
 the wire format, the endpoint's refusals, and the whole app in this process (mock engines, real
 loopback HTTP between the router's client and each replica's endpoint), with the checks of
-test_orchestration: tokens exact, and nothing held anywhere after each test."""
+test_orchestration: tokens exact, and nothing held anywhere after each test. The tests the two
+transports share are in test_orchestration.py (the ``transport`` fixture); these are HTTP's own."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
@@ -16,18 +16,7 @@ from serve_app.router.cdcp import engine_gone
 from serve_app.router.engine_client import EngineCallFailed, EngineUnreachable
 from serve_app.wire.frames import CallError, FrameReader, WireError, decode_request, encode_frame, encode_request
 from serve_app.wire.protocol import EngineRejected, EngineRequest, KVReady, PrefillResult, TokenDelta, TokenLogprob
-from tests.unit.inprocess import App
-from tests.unit.test_orchestration import (
-    PROMPT,
-    args,
-    completion,
-    expected,
-    leased,
-    long_streaming_client,
-    no_callbacks,
-    tokens_of,
-    wait_until,
-)
+from tests.support.inprocess import PROMPT, App, args, completion, expected, leased, run, tokens_of, wait_until
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -36,24 +25,6 @@ def http_args(**changes):
     out = args(**changes)
     out["router"] = {**out["router"], "engine_transport": "http"}
     return out
-
-
-def run(coro_fn, app_args, tokenizer):
-    async def main():
-        app = await App.start(app_args, tokenizer)
-        try:
-            result = await asyncio.wait_for(coro_fn(app), 30)
-            await app.idle()
-            return result
-        finally:
-            await app.stop()
-
-    return asyncio.run(main())
-
-
-def handle_calls(app: App) -> list[str]:
-    """The engine calls that went through the Serve handle stand-ins (stats polls aside)."""
-    return [call for faults in app.faults.values() for call in faults.calls if call != "stats"]
 
 
 # ---------------------------------------------------------------------------- the wire
@@ -91,7 +62,7 @@ def test_bytes_that_are_not_our_messages_are_refused():
 
 
 # ---------------------------------------------------------------------------- the endpoint
-def test_the_endpoint_takes_calls_only_with_its_token(engines_without_ray, tiny_tokenizer):
+def test_the_endpoint_takes_calls_only_with_its_token(tiny_tokenizer):
     async def body(app: App) -> None:
         decode = app.engines["decode-0"]
         endpoint = decode.call_server.endpoint
@@ -160,27 +131,7 @@ def test_a_stream_ends_when_its_client_leaves_even_if_the_cancellation_is_lost()
 
 
 # ---------------------------------------------------------------------------- the app over HTTP
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_a_completion_through_every_hop_over_http(engines_without_ray, tiny_tokenizer, mode):
-    async def body(app: App) -> None:
-        status, data = await completion(app, PROMPT, max_tokens=12)
-        assert status == 200, data
-        assert data["choices"][0]["token_ids"] == expected(PROMPT, 12)
-        status, events = await completion(app, PROMPT, max_tokens=12, stream=True, stream_options={"include_usage": True})
-        assert status == 200 and events[-1] == "[DONE]"
-        assert tokens_of(events) == expected(PROMPT, 12)
-        assert handle_calls(app) == []  # every generate and run went over HTTP
-        snapshot = (await app.service.engine_snapshot())["engines"]
-        for name, engine in app.engines.items():  # operators see where, never the token
-            assert snapshot[name]["call_endpoint"] == engine.call_server.endpoint.url
-        assert engine.call_server.token not in json.dumps(snapshot)
-        prefilled = len(app.engines["prefill-0"].runner.requests)
-        assert prefilled == (2 if mode == "disaggregated" else 0)
-
-    run(body, http_args(router={"mode": mode}), tiny_tokenizer)
-
-
-def test_concurrent_streams_share_kept_alive_connections(engines_without_ray, tiny_tokenizer):
+def test_concurrent_streams_share_kept_alive_connections(tiny_tokenizer):
     async def body(app: App) -> None:
         prompts = [[30 + i] * 9 for i in range(12)]
         results = await asyncio.gather(*(completion(app, p, max_tokens=20, stream=bool(i % 2)) for i, p in enumerate(prompts)))
@@ -196,75 +147,6 @@ def test_concurrent_streams_share_kept_alive_connections(engines_without_ray, ti
     run(body, http_args(router={"mode": "colocated"}), tiny_tokenizer)
 
 
-@pytest.mark.parametrize("phase", ["awaiting_kv", "prefilling", "decoding"])
-def test_a_client_disconnect_over_http_releases_everything(engines_without_ray, tiny_tokenizer, phase):
-    """The router closes its connection; the replica's endpoint sees that and cancels the call,
-    which aborts the engine's request (the idle check after the test holds every engine to it)."""
-
-    async def body(app: App) -> None:
-        if phase == "awaiting_kv":
-            no_callbacks(app)
-        if phase == "prefilling":
-            runner = app.engines["prefill-0"].runner
-            real = runner.generate
-
-            async def stuck(request):
-                async for event in real(request):  # the engine holds the request ...
-                    await asyncio.Event().wait()  # ... and its answer never comes
-                    yield event
-
-            runner.generate = stuck
-        events: list = []
-        task = asyncio.ensure_future(long_streaming_client(app, events))
-        if phase == "awaiting_kv":
-            await wait_until(lambda: any(e.relay.pending for n, e in app.engines.items() if n.startswith("decode")))
-        elif phase == "prefilling":
-            await wait_until(lambda: leased(app, "prefill") and app.engines["prefill-0"].runner.stats().inflight)
-        else:
-            await wait_until(lambda: len(events) >= 4)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    # Slow enough that a stream left running would still hold its engine at the idle check.
-    run(body, http_args(mock={"decode_step_s": 0.005}), tiny_tokenizer)
-
-
-def test_a_prefill_that_raises_over_http_is_retried(engines_without_ray, tiny_tokenizer):
-    async def body(app: App) -> None:
-        prefill = app.engines["prefill-0"]
-        real = prefill.run
-        failures = []
-
-        async def fails_once(request):
-            if not failures:
-                failures.append(request.request_id)
-                raise RuntimeError("prefill exploded")
-            return await real(request)
-
-        prefill.run = fails_once
-        status, data = await completion(app, PROMPT, max_tokens=10)
-        assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 10)
-        assert len(failures) == 1
-
-    run(body, http_args(), tiny_tokenizer)
-
-
-def test_an_engine_rejection_over_http_is_a_400(engines_without_ray, tiny_tokenizer):
-    async def body(app: App) -> None:
-        for name, engine in app.engines.items():
-            if name.startswith("decode"):
-
-                async def reject(request):
-                    yield EngineRejected("token id 5000 is out of vocabulary")
-
-                engine.runner.generate = reject
-        status, data = await completion(app, PROMPT)
-        assert status == 400 and "out of vocabulary" in data["error"]["message"]
-
-    run(body, http_args(router={"mode": "colocated"}), tiny_tokenizer)
-
-
 def kill(call_server) -> None:
     """What a replica's death does to its endpoint: every connection cut, no new one taken.
     (uvicorn's own shutdown would let a streaming response finish first.)"""
@@ -274,7 +156,7 @@ def kill(call_server) -> None:
     call_server.close()
 
 
-def test_a_decode_endpoint_that_is_gone_is_skipped_and_the_other_serves(engines_without_ray, tiny_tokenizer):
+def test_a_decode_endpoint_that_is_gone_is_skipped_and_the_other_serves(tiny_tokenizer):
     async def body(app: App) -> None:
         kill(app.engines["decode-0"].call_server)  # the replica's process is gone
         await asyncio.sleep(0.2)
@@ -287,7 +169,7 @@ def test_a_decode_endpoint_that_is_gone_is_skipped_and_the_other_serves(engines_
     run(body, http_args(), tiny_tokenizer)
 
 
-def test_a_decode_stream_cut_mid_way_is_resumed_token_exact(engines_without_ray, tiny_tokenizer):
+def test_a_decode_stream_cut_mid_way_is_resumed_token_exact(tiny_tokenizer):
     """The replica's connection breaks after some tokens (its process died): the attempt fails
     as the engine's loss, and the next attempt resumes the response where it stopped."""
 
@@ -326,7 +208,7 @@ def test_the_router_closes_idle_connections_before_the_engine_does():
     assert CLIENT_KEEP_ALIVE_S < SERVER_KEEP_ALIVE_S
 
 
-def test_a_call_with_a_stale_token_reads_as_the_engine_gone(engines_without_ray, tiny_tokenizer):
+def test_a_call_with_a_stale_token_reads_as_the_engine_gone(tiny_tokenizer):
     """Another replica at the address the router knew (ours restarted on the same port): the
     attempt fails as that engine's loss and resumes on the other, and the stats refresh names
     the new endpoint."""

@@ -44,6 +44,7 @@ def alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+@pytest.mark.slow  # a parent and a spawned child process, watched for seconds
 @pytest.mark.parametrize("enabled", [True, False])
 def test_an_engine_child_process_dies_with_its_parent(tmp_path, enabled):
     script = tmp_path / "parent.py"

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from serve_app.router.direct_http import openai_app
-from tests.fuzz_strategies import CHAT_ONLY, CLIENT_ERRORS, COMPLETIONS_ONLY, bodies, messages, oversized, prompts, raw_bodies
-from tests.unit.inprocess import MOCK_ARGS, App
+from tests.support.fuzz_strategies import CHAT_ONLY, CLIENT_ERRORS, COMPLETIONS_ONLY, bodies, messages, oversized, prompts, raw_bodies
+from tests.support.inprocess import MOCK_ARGS, App
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -62,7 +62,7 @@ class Harness:
 
 
 @pytest.fixture
-def harness(engines_without_ray, tiny_tokenizer) -> Iterator[Harness]:
+def harness(tiny_tokenizer) -> Iterator[Harness]:
     h = Harness(tiny_tokenizer)
     try:
         yield h

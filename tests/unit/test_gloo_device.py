@@ -10,7 +10,9 @@ import os
 import subprocess
 import sys
 
-from tests.unit.kv_helpers import free_port
+import pytest
+
+from tests.support.kv_helpers import free_port
 
 # One rank or two (argv[1]), the groups vLLM's CPU worker makes (world, then two per parallel
 # dimension), collectives on each, then teardown as vLLM does it. Prints the Gloo loop threads.
@@ -70,14 +72,17 @@ def probe(size: int, shared: bool, tmp_path) -> list[tuple[int, int]]:
     return sorted((int(rank), int(threads)) for rank, threads in rows)
 
 
+@pytest.mark.slow  # fresh interpreters that import torch, one per rank
 def test_shared_one_rank_groups_keep_one_loop_thread_and_work(tmp_path):
     assert probe(1, shared=True, tmp_path=tmp_path) == [(0, 1)]
 
 
+@pytest.mark.slow  # fresh interpreters that import torch, one per rank
 def test_shared_across_two_ranks_collectives_still_work(tmp_path):
     assert probe(2, shared=True, tmp_path=tmp_path) == [(0, 1), (1, 1)]
 
 
+@pytest.mark.slow  # fresh interpreters that import torch, one per rank
 def test_not_asked_for_torch_makes_a_device_per_group(tmp_path):
     """The plug-in's reason to exist: without it every group brings a loop thread (13 here)."""
     assert probe(1, shared=False, tmp_path=tmp_path) == [(0, 13)]

@@ -19,7 +19,7 @@ from serve_app.kv.metadata import LayerwiseMetadata, SendSpec, Settings
 from serve_app.kv.producer import ProducerWorker
 from serve_app.kv.wakeup import Doorbell, DoorbellRinger
 from serve_app.kv.wire import KIND_LAYER, encode_frame, tensor_bytes
-from tests.unit.kv_helpers import (
+from tests.support.kv_helpers import (
     HOST,
     KV_SHAPE,
     LAYERS,

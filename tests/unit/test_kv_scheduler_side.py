@@ -10,7 +10,7 @@ import pytest
 
 from serve_app.kv.metadata import SendSpec
 from serve_app.kv.scheduler_side import SchedulerSide
-from tests.unit.kv_helpers import (
+from tests.support.kv_helpers import (
     BS,
     HOST,
     WAIT_S,

@@ -3,6 +3,7 @@ before it holds a frame's bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import struct
@@ -118,7 +119,18 @@ def test_sizes_are_capped_by_the_receivers_geometry(pre, match):
 
 
 def test_sizes_within_limits_pass():
-    check_sizes(Preamble(KIND_LAYER, 0, LIMITS.max_header_bytes, LIMITS.max_payload_bytes), LIMITS)
+    """A frame at the limits exactly passes the check and is read whole; one byte more of its
+    header or of its payload does not pass."""
+    header: dict = {"transfer": "t", "secret": "s", "layer": "l0", "block_ids": [0, 1, 2, 3], "pad": ""}
+    header["pad"] = "x" * (LIMITS.max_header_bytes - len(json.dumps(header, separators=(",", ":"))))
+    pre, head, payload = roundtrip(encode_frame(KIND_LAYER, 1, header, [bytes(range(256)) * 3]))
+    assert (pre.header_len, pre.payload_len) == (LIMITS.max_header_bytes, LIMITS.max_payload_bytes)
+    assert check_sizes(pre, LIMITS) is None
+    assert len(head) == LIMITS.max_header_bytes and payload == bytes(range(256)) * 3
+    assert parse_header(pre.kind, head) == LayerHeader("t", "s", "l0", (0, 1, 2, 3))
+    for over in (dataclasses.replace(pre, header_len=pre.header_len + 1), dataclasses.replace(pre, payload_len=pre.payload_len + 1)):
+        with pytest.raises(WireError):
+            check_sizes(over, LIMITS)
 
 
 @pytest.mark.parametrize(

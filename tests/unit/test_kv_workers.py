@@ -19,7 +19,7 @@ from serve_app.kv.consumer import ConsumerWorker
 from serve_app.kv.metadata import LayerwiseMetadata, LayerwiseStats, RecvSpec, SendSpec
 from serve_app.kv.producer import FrameSender, ProducerWorker
 from serve_app.kv.wire import KIND_LAYER, MAGIC, PREAMBLE, WIRE_VERSION, encode_frame, tensor_bytes
-from tests.unit.kv_helpers import (
+from tests.support.kv_helpers import (
     HOST,
     KV_SHAPE,
     LAYERS,
@@ -319,7 +319,7 @@ def test_an_id_rejected_by_the_scheduler_side_fails_at_once(consumer):
     assert consumer.results() == ({"req-1"}, {"req-1"})
 
 
-def test_unarmed_frames_are_bounded_in_transfers(peers):
+def test_unarmed_frames_are_bounded_in_transfers():
     worker = ConsumerWorker(settings(max_early_transfers=2))
     worker.register_kv_caches(patterned_caches(seed=1))
     try:
@@ -495,7 +495,7 @@ def test_producer_with_the_wrong_secret_is_not_applied(producer, consumer):
     assert_caches_equal(consumer.kv.layers, before)
 
 
-def test_producer_pushes_bfloat16_kv(consumer):
+def test_producer_pushes_bfloat16_kv():
     worker = ProducerWorker(settings(is_producer=True))
     receiver = ConsumerWorker(settings())
     try:

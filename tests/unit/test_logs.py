@@ -10,7 +10,7 @@ import pytest
 from ray.exceptions import TaskCancelledError
 
 from serve_app.runtime.logs import LOGGER, quiet_cancelled_requests, to_serve_logs
-from tests.log_capture import RecordList
+from tests.support.log_capture import RecordList
 
 
 @pytest.fixture

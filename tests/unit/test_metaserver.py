@@ -236,7 +236,22 @@ def test_stop_ends_the_server():
 
 
 def test_stop_before_start_is_a_no_op():
-    asyncio.run(MetaserverRelay().stop())
+    """Stopping a relay that never started leaves it as it was: no server, and it starts and
+    serves afterwards."""
+
+    async def main():
+        relay = MetaserverRelay()
+        await relay.stop()
+        assert relay._server is None and relay.url == "" and relay.pending == 0
+        await relay.start()
+        try:
+            future, url = relay.expect("att-1")
+            status, _ = await asyncio.to_thread(post_json, url, KV_PARAMS)
+            assert status == 200 and await future == KV_PARAMS
+        finally:
+            await relay.stop()
+
+    asyncio.run(main())
 
 
 def test_with_relay_adds_metaserver():

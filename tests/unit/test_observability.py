@@ -14,9 +14,8 @@ import pytest
 from serve_app.engines.mock_runner import _Sequence
 from serve_app.router.leak_audit import Discrepancy, LeakAudit, discrepancy
 from serve_app.wire.protocol import EngineStats
-from tests.log_capture import RecordList
-from tests.unit.inprocess import App, recording_router_metrics
-from tests.unit.test_orchestration import args, completion
+from tests.support.inprocess import App, args, completion, recording_router_metrics
+from tests.support.log_capture import RecordList
 
 
 @contextlib.contextmanager
@@ -118,7 +117,7 @@ def run_with_metrics(body, app_args, tokenizer):
     asyncio.run(main())
 
 
-def test_an_injected_leak_raises_the_gauges_and_is_logged(engines_without_ray, tiny_tokenizer, pd_log):
+def test_an_injected_leak_raises_the_gauges_and_is_logged(tiny_tokenizer, pd_log):
     """The test-only seam: a request the engine holds that no router sent (as a lost abort would
     leave), and KV held by an engine with nothing in flight."""
 
@@ -149,7 +148,7 @@ def test_an_injected_leak_raises_the_gauges_and_is_logged(engines_without_ray, t
     run_with_metrics(body, args(router={"leak_warn_after_s": 0.3}), tiny_tokenizer)
 
 
-def test_a_requests_time_is_split_into_engine_wait_and_the_routers_own(engines_without_ray, tiny_tokenizer):
+def test_a_requests_time_is_split_into_engine_wait_and_the_routers_own(tiny_tokenizer):
     async def body(app, metrics):
         for stream in (False, True):
             status, _ = await completion(app, [11, 12, 13], max_tokens=20, stream=stream)
@@ -167,7 +166,7 @@ def test_a_requests_time_is_split_into_engine_wait_and_the_routers_own(engines_w
     run_with_metrics(body, args(mock={"decode_step_s": 0.001}), tiny_tokenizer)
 
 
-def test_one_request_is_traced_across_its_attempts(engines_without_ray, tiny_tokenizer, pd_debug_log):
+def test_one_request_is_traced_across_its_attempts(tiny_tokenizer, pd_debug_log):
     """Filtering the (DEBUG) log on the client's request id tells the whole story: every attempt,
     the engines and transfers of each, the recompute, the end; and the JSON log carries the ids."""
     pd_log = pd_debug_log
@@ -201,7 +200,7 @@ def test_one_request_is_traced_across_its_attempts(engines_without_ray, tiny_tok
     run_with_metrics(body, pressure, tiny_tokenizer)
 
 
-def test_at_info_a_request_logs_its_end_and_only_the_attempts_after_its_first(engines_without_ray, tiny_tokenizer, pd_log):
+def test_at_info_a_request_logs_its_end_and_only_the_attempts_after_its_first(tiny_tokenizer, pd_log):
     """The default level keeps the log (and the router's CPU, and every request's TTFT) to one
     line for a request that goes through at once; a request that needed more attempts still
     shows why and each attempt after the first, with its hand-off."""

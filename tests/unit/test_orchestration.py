@@ -1,11 +1,13 @@
 """The router's async orchestration, fast: the whole app in this process on mock engines
-(tests/unit/inprocess.py), no Ray, no vLLM engine. Every test ends by checking that nothing is
+(tests/support/inprocess.py), no Ray, no vLLM engine. Its calls to the engines go through the
+Serve handle stand-ins (``engine_transport: grpc``), where faults are injected; the tests taking
+the ``transport`` fixture run over both transports (the engines' own HTTP endpoints too:
+test_engine_http.py has that transport's own tests). Every test ends by checking that nothing is
 held anywhere: router counters and leases, engine requests, KV, relay registrations."""
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import time
 from types import SimpleNamespace
@@ -13,93 +15,32 @@ from typing import Any
 
 import pytest
 
-from serve_app.engines.mock_runner import next_token
 from serve_app.router.service import Outcome, sse_body
-from serve_app.runtime.metrics import RouterMetrics
-from tests.unit.inprocess import MOCK_ARGS, App, recording_router_metrics
+from tests.support.inprocess import (
+    PROMPT,
+    App,
+    args,
+    body_of,
+    completion,
+    expected,
+    handle_calls,
+    leased,
+    long_streaming_client,
+    no_callbacks,
+    play,
+    recording_router_metrics,
+    run,
+    sse_events,
+    tokens_of,
+    wait_until,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-def args(**changes: Any) -> dict[str, Any]:
-    out = copy.deepcopy(MOCK_ARGS)
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = {**out[key], **value}
-        else:
-            out[key] = value
-    return out
-
-
-def run(coro_fn, app_args: dict[str, Any], tokenizer, metrics: RouterMetrics | None = None) -> Any:
-    async def main() -> Any:
-        app = await App.start(app_args, tokenizer, metrics)
-        try:
-            result = await asyncio.wait_for(coro_fn(app), 30)
-            await app.idle()
-            return result
-        finally:
-            await app.stop()
-
-    return asyncio.run(main())
-
-
-def expected(prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(next_token(seq))
-    return seq[len(prompt) :]
-
-
-async def play(response, sent: list) -> None:
-    """Run a Starlette response as its server would, for a client that never disconnects by
-    itself (cancel the task to have it leave); every ASGI message it sends goes into ``sent``."""
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    async def receive() -> dict:
-        await asyncio.Event().wait()
-        return {}
-
-    await response({"type": "http"}, receive, send)
-
-
-def sse_events(sent: list[dict]) -> list:
-    """The SSE events (dicts, and "[DONE]") in the ASGI messages a response sent."""
-    events: list = []
-    raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
-    for block in raw.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-async def body_of(response) -> tuple[int, Any]:
-    """(status, JSON body or the list of SSE events) of a Starlette response, consumed here."""
-    if hasattr(response, "body_iterator"):
-        sent: list[dict] = []
-        await play(response, sent)
-        return response.status_code, sse_events(sent)
-    return response.status_code, json.loads(response.body)
-
-
-async def completion(app: App, prompt: list[int], max_tokens: int = 8, stream: bool = False, **extra: Any) -> tuple[int, Any]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True, "stream": stream, **extra}
-    return await body_of(await app.service.http("completions", json.dumps(body).encode()))
-
-
-def tokens_of(events: list) -> list[int]:
-    return [t for e in events if isinstance(e, dict) for c in e.get("choices", []) for t in c.get("token_ids") or []]
-
-
-PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
-
-
 # ---------------------------------------------------------------------------- the good paths
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_a_completion_through_every_hop(engines_without_ray, tiny_tokenizer, mode):
+def test_a_completion_through_every_hop(tiny_tokenizer, transport, mode):
     async def body(app: App) -> None:
         status, data = await completion(app, PROMPT, max_tokens=12)
         assert status == 200, data
@@ -109,14 +50,22 @@ def test_a_completion_through_every_hop(engines_without_ray, tiny_tokenizer, mod
         assert status == 200 and events[-1] == "[DONE]"
         assert tokens_of(events) == expected(PROMPT, 12)
         assert events[-2]["usage"]["completion_tokens"] == 12
-        if mode == "disaggregated":
-            decode_calls = [f.calls for n, f in app.faults.items() if n.startswith("prefill")]
-            assert any("run" in calls for calls in decode_calls)
+        prefilled = len(app.engines["prefill-0"].runner.requests)
+        assert prefilled == (2 if mode == "disaggregated" else 0)
+        calls = handle_calls(app)
+        if transport == "grpc":
+            assert "generate" in calls and ("run" in calls) == (mode == "disaggregated"), calls
+        else:
+            assert calls == []  # every generate and run went over HTTP
+            snapshot = (await app.service.engine_snapshot())["engines"]
+            for name, engine in app.engines.items():  # operators see where, never the token
+                assert snapshot[name]["call_endpoint"] == engine.call_server.endpoint.url
+                assert engine.call_server.token not in json.dumps(snapshot)
 
-    run(body, args(router={"mode": mode}), tiny_tokenizer)
+    run(body, args(router={"mode": mode, "engine_transport": transport}), tiny_tokenizer)
 
 
-def test_a_stream_writes_what_is_ready_together_in_one_message(engines_without_ray, tiny_tokenizer):
+def test_a_stream_writes_what_is_ready_together_in_one_message(tiny_tokenizer):
     """Each body message the router sends is a group of events ready together: the chat role
     delta with the first text, and the last text with the usage chunk and [DONE], which also
     ends the response (no empty last message)."""
@@ -181,34 +130,8 @@ def test_the_first_chunk_leaves_before_the_items_queued_behind_it_are_read():
     assert log[3:] == ["write", "read 1", "write", "read 2", "write", "write", "sent 4"], log  # the rest: one send
 
 
-async def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
-def leased(app: App, role: str) -> bool:
-    return any(load.inflight for load in app.service.pool.of_role(role))
-
-
-def no_callbacks(app: App) -> None:
-    """Decode engines allocate KV but never call the metaserver back."""
-    for name, engine in app.engines.items():
-        if name.startswith("decode"):
-
-            async def lost(*_: Any, **__: Any) -> None:
-                return None
-
-            engine.runner.post_callback = lost
-
-
-def fail_status(data: Any) -> int:
-    return data["error"]["code"]
-
-
 # ---------------------------------------------------------------------------- deadlines
-def test_kv_ready_deadline_retries_then_fails_with_504(engines_without_ray, tiny_tokenizer):
+def test_kv_ready_deadline_retries_then_fails_with_504(tiny_tokenizer):
     async def body(app: App) -> None:
         no_callbacks(app)
         status, data = await completion(app, PROMPT)
@@ -222,7 +145,7 @@ def test_kv_ready_deadline_retries_then_fails_with_504(engines_without_ray, tiny
     )
 
 
-def test_prefill_deadline_then_the_next_attempt_succeeds(engines_without_ray, tiny_tokenizer):
+def test_prefill_deadline_then_the_next_attempt_succeeds(tiny_tokenizer):
     async def body(app: App) -> None:
         prefill = app.engines["prefill-0"]
         real = prefill.run
@@ -242,7 +165,7 @@ def test_prefill_deadline_then_the_next_attempt_succeeds(engines_without_ray, ti
     run(body, args(router={"timeouts": {"kv_ready_s": 1, "prefill_s": 0.2, "first_token_s": 1, "request_s": 20}}), tiny_tokenizer)
 
 
-def test_first_token_deadline_moves_to_the_other_decode_engine(engines_without_ray, tiny_tokenizer):
+def test_first_token_deadline_moves_to_the_other_decode_engine(tiny_tokenizer):
     async def body(app: App) -> None:
         hung = app.faults["decode-0"]
         hung.hang = True
@@ -254,7 +177,7 @@ def test_first_token_deadline_moves_to_the_other_decode_engine(engines_without_r
     run(body, colocated, tiny_tokenizer)
 
 
-def test_request_deadline_ends_the_response_with_504(engines_without_ray, tiny_tokenizer):
+def test_request_deadline_ends_the_response_with_504(tiny_tokenizer):
     async def body(app: App) -> None:
         for faults in app.faults.values():
             faults.hang = True
@@ -268,7 +191,7 @@ def test_request_deadline_ends_the_response_with_504(engines_without_ray, tiny_t
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_request_deadline_mid_stream_ends_it_with_a_504_event(engines_without_ray, tiny_tokenizer, mode):
+def test_request_deadline_mid_stream_ends_it_with_a_504_event(tiny_tokenizer, mode):
     """Tokens flow, then the decode engine stalls: the request's own deadline still ends it
     (the stream is read in the attempt's task then, under that deadline alone)."""
 
@@ -293,21 +216,27 @@ def test_request_deadline_mid_stream_ends_it_with_a_504_event(engines_without_ra
     run(body, stalls, tiny_tokenizer)
 
 
-async def long_streaming_client(app: App, events: list) -> None:
-    """A client streaming a long completion that never disconnects by itself: cancel its task
-    to have it leave. What it is sent goes into ``events``."""
-    response = await app.service.http("completions", json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode())
-    await play(response, events)
-
-
 # ---------------------------------------------------------------------------- client disconnects
 @pytest.mark.parametrize("phase", ["awaiting_kv", "prefilling", "decoding"])
-def test_a_client_disconnect_in_each_phase_releases_everything(engines_without_ray, tiny_tokenizer, phase):
+def test_a_client_disconnect_in_each_phase_releases_everything(tiny_tokenizer, transport, phase):
+    """The client leaves while its request waits for its KV, while the prefill engine holds it
+    (and never answers), or while it decodes: the router cancels its engine calls (over HTTP it
+    closes the connection, and the replica's endpoint cancels the call), which aborts the
+    engines' requests; the idle check after the test holds every engine to it."""
+
     async def body(app: App) -> None:
         if phase == "awaiting_kv":
             no_callbacks(app)
         if phase == "prefilling":
-            app.faults["prefill-0"].hang = True
+            runner = app.engines["prefill-0"].runner
+            real = runner.generate
+
+            async def stuck(request):
+                async for event in real(request):  # the engine holds the request ...
+                    await asyncio.Event().wait()  # ... and its answer never comes
+                    yield event
+
+            runner.generate = stuck
         events: list = []
         task = asyncio.ensure_future(long_streaming_client(app, events))
         if phase == "awaiting_kv":
@@ -315,18 +244,18 @@ def test_a_client_disconnect_in_each_phase_releases_everything(engines_without_r
                 lambda: leased(app, "decode") and any(e.relay.pending for n, e in app.engines.items() if n.startswith("decode"))
             )
         elif phase == "prefilling":
-            await wait_until(lambda: leased(app, "prefill"))
+            await wait_until(lambda: leased(app, "prefill") and app.engines["prefill-0"].runner.stats().inflight)
         else:
             await wait_until(lambda: len(events) >= 4)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        app.faults["prefill-0"].hang = False
 
-    run(body, args(), tiny_tokenizer)
+    # Slow enough that a stream left running would still hold its engine at the idle check.
+    run(body, args(router={"engine_transport": transport}, mock={"decode_step_s": 0.005}), tiny_tokenizer)
 
 
-def test_a_handle_stream_closed_early_releases_everything(engines_without_ray, tiny_tokenizer):
+def test_a_handle_stream_closed_early_releases_everything(tiny_tokenizer):
     async def body(app: App) -> None:
         stream = app.service.generate({"prompt": PROMPT, "max_tokens": 2000})
         got = [await anext(stream) for _ in range(3)]
@@ -337,7 +266,7 @@ def test_a_handle_stream_closed_early_releases_everything(engines_without_ray, t
 
 
 # ---------------------------------------------------------------------------- engine faults
-def test_a_dead_prefill_engine_falls_back_to_colocated(engines_without_ray, tiny_tokenizer):
+def test_a_dead_prefill_engine_falls_back_to_colocated(tiny_tokenizer):
     async def body(app: App) -> None:
         app.faults["prefill-0"].dead = True
         status, data = await completion(app, PROMPT)
@@ -350,7 +279,7 @@ def test_a_dead_prefill_engine_falls_back_to_colocated(engines_without_ray, tiny
     run(body, args(), tiny_tokenizer)
 
 
-def test_a_prefill_that_raises_is_retried(engines_without_ray, tiny_tokenizer):
+def test_a_prefill_that_raises_is_retried(tiny_tokenizer, transport):
     async def body(app: App) -> None:
         prefill = app.engines["prefill-0"]
         real = prefill.run
@@ -367,11 +296,11 @@ def test_a_prefill_that_raises_is_retried(engines_without_ray, tiny_tokenizer):
         assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 8)
         assert calls["n"] == 2
 
-    run(body, args(), tiny_tokenizer)
+    run(body, args(router={"engine_transport": transport}), tiny_tokenizer)
 
 
 @pytest.mark.parametrize("fault", ["dead", "stream_ends_after", "stream_raises_after", "stream_times_out"])
-def test_a_decode_engine_lost_mid_stream_is_resumed_token_exact(engines_without_ray, tiny_tokenizer, fault):
+def test_a_decode_engine_lost_mid_stream_is_resumed_token_exact(tiny_tokenizer, fault):
     async def body(app: App) -> None:
         victim = app.faults["decode-0"]
         if fault == "dead":
@@ -391,7 +320,7 @@ def test_a_decode_engine_lost_mid_stream_is_resumed_token_exact(engines_without_
     run(body, args(router={"mode": "colocated"}, decode={"num_replicas": 2}), tiny_tokenizer, recording_router_metrics())
 
 
-def test_no_decode_engine_at_all_is_a_503(engines_without_ray, tiny_tokenizer):
+def test_no_decode_engine_at_all_is_a_503(tiny_tokenizer):
     async def body(app: App) -> None:
         for load in app.service.pool.of_role("decode"):
             load.healthy = False
@@ -408,7 +337,7 @@ def test_no_decode_engine_at_all_is_a_503(engines_without_ray, tiny_tokenizer):
     run(body, args(router={"timeouts": {"kv_ready_s": 0.2, "prefill_s": 1, "first_token_s": 1, "request_s": 20}}), tiny_tokenizer)
 
 
-def test_a_kv_ready_naming_another_engine_is_refused(engines_without_ray, tiny_tokenizer):
+def test_a_kv_ready_naming_another_engine_is_refused(tiny_tokenizer):
     async def body(app: App) -> None:
         for name, engine in app.engines.items():
             if name.startswith("decode"):
@@ -421,7 +350,7 @@ def test_a_kv_ready_naming_another_engine_is_refused(engines_without_ray, tiny_t
     run(body, args(router={"max_attempts": 2}), tiny_tokenizer)
 
 
-def test_a_second_kv_ready_is_a_protocol_error_never_a_second_prefill(engines_without_ray, tiny_tokenizer):
+def test_a_second_kv_ready_is_a_protocol_error_never_a_second_prefill(tiny_tokenizer):
     """A decode engine that sends its KVReady twice breaks the attempt's phase table
     (router/attempt_phase.py): the attempt fails as the engine's fault, and the request resumes
     on the other engine, token for token."""
@@ -436,7 +365,7 @@ def test_a_second_kv_ready_is_a_protocol_error_never_a_second_prefill(engines_wi
     run(body, args(router={"max_attempts": 3}), tiny_tokenizer, recording_router_metrics())
 
 
-def test_kv_ready_racing_the_first_token(engines_without_ray, tiny_tokenizer):
+def test_kv_ready_racing_the_first_token(tiny_tokenizer):
     """Prefill's call returns only after decode has already streamed tokens: the attempt keeps
     reading tokens while prefill is still 'in flight', and finishes when both are done."""
 
@@ -456,7 +385,7 @@ def test_kv_ready_racing_the_first_token(engines_without_ray, tiny_tokenizer):
     run(body, args(), tiny_tokenizer)
 
 
-def test_tokens_without_kv_ready_when_decode_needs_no_transfer(engines_without_ray, tiny_tokenizer):
+def test_tokens_without_kv_ready_when_decode_needs_no_transfer(tiny_tokenizer):
     async def body(app: App) -> None:
         for name, engine in app.engines.items():
             if name.startswith("decode"):
@@ -472,26 +401,31 @@ def test_tokens_without_kv_ready_when_decode_needs_no_transfer(engines_without_r
     run(body, args(), tiny_tokenizer)
 
 
-def test_an_engine_rejection_is_a_400_and_not_retried(engines_without_ray, tiny_tokenizer):
+def test_an_engine_rejection_is_a_400_and_not_retried(tiny_tokenizer, transport):
     from serve_app.wire.protocol import EngineRejected
 
     async def body(app: App) -> None:
+        rejected: list = []
         for name, engine in app.engines.items():
             if name.startswith("decode"):
 
                 async def reject(request):
+                    rejected.append(request)
                     yield EngineRejected("token id 5000 is out of vocabulary")
 
                 engine.runner.generate = reject
         status, data = await completion(app, PROMPT)
         assert status == 400 and data["error"]["type"] == "invalid_request_error"
-        assert sum(f.calls.count("generate") for f in app.faults.values()) == 1
+        assert "out of vocabulary" in data["error"]["message"], data
+        assert len(rejected) == 1  # one engine call: a rejection is not retried elsewhere
+        if transport == "grpc":
+            assert handle_calls(app).count("generate") == 1
 
-    run(body, args(router={"mode": "colocated"}), tiny_tokenizer)
+    run(body, args(router={"mode": "colocated", "engine_transport": transport}), tiny_tokenizer)
 
 
 # ---------------------------------------------------------------------------- recompute
-def test_recompute_under_kv_pressure_through_the_session(engines_without_ray, tiny_tokenizer):
+def test_recompute_under_kv_pressure_through_the_session(tiny_tokenizer):
     async def body(app: App) -> None:
         prompts = [[20 + i] * 10 for i in range(6)]
         results = await asyncio.gather(*(completion(app, p, max_tokens=60, stream=bool(i % 2)) for i, p in enumerate(prompts)))
@@ -509,7 +443,7 @@ def test_recompute_under_kv_pressure_through_the_session(engines_without_ray, ti
 
 
 # ---------------------------------------------------------------------------- routes and framing
-def test_chat_and_completions_with_logprobs_stream_and_not(engines_without_ray, tiny_tokenizer):
+def test_chat_and_completions_with_logprobs_stream_and_not(tiny_tokenizer):
     async def body(app: App) -> None:
         messages = [{"role": "user", "content": "Hi"}]
         for stream in (False, True):
@@ -545,7 +479,7 @@ def test_chat_and_completions_with_logprobs_stream_and_not(engines_without_ray, 
     run(body, args(), tiny_tokenizer)
 
 
-def test_bad_requests_and_internal_errors_get_openai_errors(engines_without_ray, tiny_tokenizer, monkeypatch):
+def test_bad_requests_and_internal_errors_get_openai_errors(tiny_tokenizer, monkeypatch):
     import serve_app.router.service as service
 
     async def body(app: App) -> None:
@@ -567,7 +501,7 @@ def test_bad_requests_and_internal_errors_get_openai_errors(engines_without_ray,
     run(body, args(), tiny_tokenizer)
 
 
-def test_a_failure_before_the_first_token_is_a_plain_error_response_even_when_streaming(engines_without_ray, tiny_tokenizer):
+def test_a_failure_before_the_first_token_is_a_plain_error_response_even_when_streaming(tiny_tokenizer):
     async def body(app: App) -> None:
         no_callbacks(app)
         status, data = await completion(app, PROMPT, stream=True)
@@ -580,7 +514,7 @@ def test_a_failure_before_the_first_token_is_a_plain_error_response_even_when_st
     )
 
 
-def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_event(engines_without_ray, tiny_tokenizer):
+def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_event(tiny_tokenizer):
     async def body(app: App) -> None:
         for faults in app.faults.values():
             faults.stream_raises_after = 3
@@ -593,7 +527,7 @@ def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_event(eng
     run(body, args(router={"mode": "colocated", "max_attempts": 2}), tiny_tokenizer)
 
 
-def test_handle_api_complete_and_generate(engines_without_ray, tiny_tokenizer):
+def test_handle_api_complete_and_generate(tiny_tokenizer):
     async def body(app: App) -> None:
         final = await app.service.complete({"prompt": PROMPT, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}})
         assert final["usage"]["completion_tokens"] == 5 and final["object"] == "text_completion"
@@ -604,7 +538,7 @@ def test_handle_api_complete_and_generate(engines_without_ray, tiny_tokenizer):
     run(body, args(), tiny_tokenizer)
 
 
-def test_models_health_snapshot_and_warm_up(engines_without_ray, tiny_tokenizer):
+def test_models_health_snapshot_and_warm_up(tiny_tokenizer):
     async def body(app: App) -> None:
         service = app.service
         service.warm_up()
@@ -643,7 +577,7 @@ async def _never() -> None:
     return None
 
 
-def test_the_router_serves_the_openai_api_itself(engines_without_ray, tiny_tokenizer):
+def test_the_router_serves_the_openai_api_itself(tiny_tokenizer):
     """router.http: the same routes as the Serve ingress, straight from the router replica."""
     import httpx
 
@@ -709,7 +643,7 @@ async def busy_decode(app: App, timeout_s: float = 5.0) -> str:
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_a_stopping_decode_engine_hands_its_streams_to_another_token_exact(engines_without_ray, tiny_tokenizer, mode):
+def test_a_stopping_decode_engine_hands_its_streams_to_another_token_exact(tiny_tokenizer, mode):
     """Serve stops a decode replica (its replica leaves the list): the attempts streaming from it
     move to the other decode engine through the recompute path; the client sees one response,
     the same tokens as without the move; a move is no error and costs no attempt."""
@@ -733,7 +667,7 @@ def test_a_stopping_decode_engine_hands_its_streams_to_another_token_exact(engin
     run(body, args(router={"mode": mode, "max_attempts": 1}, decode={"num_replicas": 2}), tiny_tokenizer, recording_router_metrics())
 
 
-def test_with_no_other_decode_engine_a_moved_request_fails_with_a_503_not_a_hang(engines_without_ray, tiny_tokenizer):
+def test_with_no_other_decode_engine_a_moved_request_fails_with_a_503_not_a_hang(tiny_tokenizer):
     async def body(app: App) -> None:
         request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=300))
         victim = await busy_decode(app)
@@ -744,7 +678,7 @@ def test_with_no_other_decode_engine_a_moved_request_fails_with_a_503_not_a_hang
     run(body, args(router={"mode": "colocated"}, decode={"num_replicas": 1}), tiny_tokenizer)
 
 
-def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_resumes_them(engines_without_ray, tiny_tokenizer):
+def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_resumes_them(tiny_tokenizer):
     """The engine's side of a drain, for when Serve's list of running replicas drops the replica
     late: its destructor (which Serve calls when stopping it) ends each stream at its next output
     with stop_reason 'moved', and answers a new call so at once; the router resumes the request on
@@ -771,14 +705,16 @@ def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_r
     run(body, app_args, tiny_tokenizer, recording_router_metrics())
 
 
-def test_prefix_routing_keeps_each_prefix_on_one_prefill_and_one_decode_engine(engines_without_ray, tiny_tokenizer):
+def test_prefix_routing_keeps_each_prefix_on_one_prefill_and_one_decode_engine(tiny_tokenizer):
     """router.balancer: prefix through the whole schedule: both choices (decode first, then
     prefill) follow the prompt's prefix, outputs are unchanged, and the router counts the prompt
     tokens it expected the chosen engines to hold."""
     from serve_app.router.prefix_index import chain_keys, rendezvous
 
     block = 16
-    prefixes = [[100 + 7 * p + i % 5 for i in range(4 * block)] for p in range(4)]
+    # Four prefixes the rule places two and two on either role's engines, so that the bound
+    # (router.prefix.max_imbalance) never moves one: that is tests/unit/test_prefix_routing.py's.
+    prefixes = [[100 + 7 * p + i % 5 for i in range(4 * block)] for p in (0, 1, 3, 10)]
 
     async def body(app: App) -> None:
         served: dict[int, set[tuple[str, str]]] = {p: set() for p in range(len(prefixes))}

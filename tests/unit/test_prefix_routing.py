@@ -10,9 +10,11 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 from serve_app.router.balancer import EngineLoad
 from serve_app.router.pool import EnginePool, PrefixRouting
-from serve_app.router.prefix_index import Candidate, PrefixIndex, chain_keys, choose, rendezvous, within_bound
+from serve_app.router.prefix_index import Candidate, PrefixIndex, RecentWork, chain_keys, choose, rendezvous, within_bound
 from serve_app.wire.protocol import EngineStats
 
 B = 4  # tokens per block in these tests
@@ -31,7 +33,7 @@ def deepest(index: PrefixIndex, keys: list[int], *engines: str) -> tuple[int, se
 
 
 def idle(*names: str) -> list[Candidate]:
-    return [(n, 0) for n in names]
+    return [(n, 0, 0.0) for n in names]
 
 
 # ---------------------------------------------------------------- keys
@@ -110,7 +112,7 @@ def test_a_prefix_sticks_to_its_engine_until_its_load_crosses_the_bound():
     load = {first: 0, other: 0}
     chosen = []
     for _ in range(6):
-        name, blocks = choose(index, keys, [(e, load[e]) for e in engines], max_imbalance=1.3, request_load=10)
+        name, blocks = choose(index, keys, [(e, load[e], 0.0) for e in engines], max_imbalance=1.3, request_load=10)
         index.record(name, keys)
         load[name] += 10  # each request stays in flight
         chosen.append((name, blocks))
@@ -123,9 +125,12 @@ def test_a_prefix_sticks_to_its_engine_until_its_load_crosses_the_bound():
 
 def test_the_bound_never_leaves_no_engine_and_an_idle_pool_is_all_eligible():
     assert within_bound(idle("a", "b", "c"), 1.0, 0) == idle("a", "b", "c")
-    heavy = [("a", 100), ("b", 100), ("c", 400)]
-    assert within_bound(heavy, 1.3, 0) == [("a", 100), ("b", 100)]
-    assert within_bound([("a", 5)], 1.0, 0) == [("a", 5)]
+    heavy = [("a", 100, 0.0), ("b", 100, 0.0), ("c", 400, 0.0)]
+    assert within_bound(heavy, 1.3, 0) == heavy[:2]
+    assert within_bound([("a", 5, 9.0)], 1.0, 0) == [("a", 5, 9.0)]
+    # Idle now, but sent far more than the others lately: out, as one loaded now would be.
+    busy_lately = [("a", 0, 900.0), ("b", 0, 100.0), ("c", 0, 100.0)]
+    assert within_bound(busy_lately, 1.3, 0, request_work=10.0) == busy_lately[1:]
 
 
 def test_a_prompt_nobody_holds_goes_where_every_router_would_send_it():
@@ -268,3 +273,25 @@ def test_by_load_tied_engines_take_turns_even_when_each_attempt_also_picks_a_pre
         decodes.append(pool.pick("decode").name)
         assert pool.pick("prefill").name == "p0"
     assert decodes == ["d0", "d1", "d0", "d1"]
+
+
+def test_recent_work_halves_each_half_life_and_keeps_its_order_when_rescaled():
+    work = RecentWork(half_life_s=10.0)
+    work.add("a", 100, work.factor(0.0))
+    work.add("b", 100, work.factor(10.0))  # sent one half-life later: twice a's weight now
+    factor = work.factor(10.0)
+    assert work.scaled("a") / factor == pytest.approx(50) and work.scaled("b") / factor == pytest.approx(100)
+    factor = work.factor(10.0 * 45)  # past 2^40: values are rescaled, their ratio kept
+    assert factor == 1.0 and work.scaled("b") / work.scaled("a") == pytest.approx(2)
+    work.forget("a")
+    assert work.scaled("a") == 0.0
+
+
+def test_short_calls_of_one_hot_prefix_spread_once_its_engine_took_more_than_its_share():
+    """Prefill calls end before the next choice: the load now never crosses the bound. The work
+    sent lately does, so the prefix's engine keeps it only up to 1.3x the mean, and the other
+    engine then holds it too."""
+    pool = pool_of("p0", "p1", role="prefill")
+    keys = pool.prefix_keys(prompt(5))
+    chosen = Counter(pool.pick("prefill", prefix_keys=keys, request_load=24).name for _ in range(100))
+    assert set(chosen) == {"p0", "p1"} and max(chosen.values()) <= 1.3 * 50 + 2, chosen

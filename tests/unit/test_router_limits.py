@@ -26,7 +26,7 @@ from starlette.routing import Route
 from serve_app.router.direct_http import openai_app, read_body
 from serve_app.router.errors import OpenAIError
 from serve_app.runtime.http_server import InReplicaServer, listening_socket
-from tests.unit.inprocess import MOCK_ARGS, App
+from tests.support.inprocess import MOCK_ARGS, App
 
 BIG = 2**64 + 5
 PROMPT = [11, 12, 13]
@@ -91,7 +91,7 @@ HOSTILE = {
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_hostile_fields_are_a_400_naming_them(engines_without_ray, tiny_tokenizer, case, stream):
+def test_hostile_fields_are_a_400_naming_them(tiny_tokenizer, case, stream):
     fields, param = HOSTILE[case]
 
     async def body(app: App, client: httpx.AsyncClient) -> None:
@@ -103,7 +103,7 @@ def test_hostile_fields_are_a_400_naming_them(engines_without_ray, tiny_tokenize
     run(body, tiny_tokenizer)
 
 
-def test_surrogates_in_chat_messages_and_through_the_handle_api(engines_without_ray, tiny_tokenizer):
+def test_surrogates_in_chat_messages_and_through_the_handle_api(tiny_tokenizer):
     async def body(app: App, client: httpx.AsyncClient) -> None:
         raw = json.dumps({"messages": [{"role": "user", "content": "a\ud800"}], "max_tokens": 3})
         response = await client.post("/v1/chat/completions", content=raw)
@@ -121,7 +121,7 @@ def test_surrogates_in_chat_messages_and_through_the_handle_api(engines_without_
     run(body, tiny_tokenizer)
 
 
-def test_deeply_nested_or_broken_json_is_a_400(engines_without_ray, tiny_tokenizer):
+def test_deeply_nested_or_broken_json_is_a_400(tiny_tokenizer):
     async def body(app: App, client: httpx.AsyncClient) -> None:
         for raw in (b"[" * 100_000, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", b'{"prompt": "unterminated', b"\xff\xfe"):
             assert_openai_error(await client.post("/v1/completions", content=raw), 400)
@@ -134,7 +134,7 @@ def test_deeply_nested_or_broken_json_is_a_400(engines_without_ray, tiny_tokeniz
     run(body, tiny_tokenizer)
 
 
-def test_a_client_chat_template_is_refused_unless_the_operator_trusts_clients(engines_without_ray, tiny_tokenizer):
+def test_a_client_chat_template_is_refused_unless_the_operator_trusts_clients(tiny_tokenizer):
     messages = [{"role": "user", "content": "hi"}]
     smuggled = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {"chat_template": "{{ 'x' * 100000000 }}"}}
     direct = {"messages": messages, "max_tokens": 2, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}
@@ -162,7 +162,7 @@ def test_a_client_chat_template_is_refused_unless_the_operator_trusts_clients(en
     run(trusted, tiny_tokenizer, trust_request_chat_template=True)
 
 
-def test_a_trusted_client_template_is_stopped_at_its_time_bound(engines_without_ray, tiny_tokenizer):
+def test_a_trusted_client_template_is_stopped_at_its_time_bound(tiny_tokenizer):
     """A client's template runs in a worker thread, which nothing could cancel: a template that
     loops (nearly) without end is stopped inside the thread at the bound, a 400 naming it, and
     the thread is free again. Bound 0: even a trivial client template is stopped, so the bound
@@ -190,7 +190,7 @@ def test_a_trusted_client_template_is_stopped_at_its_time_bound(engines_without_
     run(body, tiny_tokenizer, trust_request_chat_template=True)
 
 
-def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(engines_without_ray, tiny_tokenizer):
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tiny_tokenizer):
     async def body(app: App, client: httpx.AsyncClient) -> None:
         too_long = "a" * (app.service.ctx.max_prompt_chars + 1)
         with mock.patch.object(app.service.ctx, "encode", side_effect=AssertionError("tokenized")):
@@ -215,7 +215,7 @@ def parse_threads() -> Iterator[list[str]]:
         yield threads
 
 
-def test_large_bodies_are_parsed_off_the_event_loop(engines_without_ray, tiny_tokenizer):
+def test_large_bodies_are_parsed_off_the_event_loop(tiny_tokenizer):
     import serve_app.router.service as service_module
 
     async def body(app: App, client: httpx.AsyncClient) -> None:
@@ -232,7 +232,7 @@ def test_large_bodies_are_parsed_off_the_event_loop(engines_without_ray, tiny_to
     run(body, tiny_tokenizer)
 
 
-def test_large_handle_api_requests_are_parsed_off_the_event_loop(engines_without_ray, tiny_tokenizer):
+def test_large_handle_api_requests_are_parsed_off_the_event_loop(tiny_tokenizer):
     """The handle API has no body size to go by: the size its body would have as JSON decides,
     with the same threshold as the HTTP API's."""
     import serve_app.router.service as service_module
@@ -249,7 +249,7 @@ def test_large_handle_api_requests_are_parsed_off_the_event_loop(engines_without
     run(body, tiny_tokenizer)
 
 
-def test_bodies_over_the_limit_are_a_413_without_being_read_whole(engines_without_ray, tiny_tokenizer):
+def test_bodies_over_the_limit_are_a_413_without_being_read_whole(tiny_tokenizer):
     limit = 16 * 1024  # the least that holds a prompt of the app's max_model_len (2048) as token ids
 
     async def body(app: App, client: httpx.AsyncClient) -> None:
@@ -299,7 +299,7 @@ def test_read_body_stops_reading_at_the_limit_and_gives_a_slow_body_a_deadline()
     asyncio.run(main())
 
 
-def test_pd_engines_shows_addresses_to_the_operator_only(engines_without_ray, tiny_tokenizer):
+def test_pd_engines_shows_addresses_to_the_operator_only(tiny_tokenizer):
     private = {"kv_endpoint", "call_endpoint", "extra", "kv_capacity_tokens"}
 
     async def body(app: App, client: httpx.AsyncClient) -> None:
@@ -427,7 +427,7 @@ def test_connections_beyond_the_limit_get_a_503():
     asyncio.run(main())
 
 
-def test_idle_and_slow_connections_leave_real_requests_served(engines_without_ray, tiny_tokenizer):
+def test_idle_and_slow_connections_leave_real_requests_served(tiny_tokenizer):
     """32 connections that send nothing and 32 that trickle a header byte by byte, against the
     router's own server (the in-process app behind it): real requests are served meanwhile and
     the strangers are closed at the header deadline."""

@@ -19,16 +19,14 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from tests.log_capture import RecordList
-from tests.unit.inprocess import MOCK_ARGS, App
+from tests.support.inprocess import PROMPT, App, args, completion
+from tests.support.log_capture import RecordList
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 def http_args() -> dict[str, Any]:
-    args = json.loads(json.dumps(MOCK_ARGS))
-    args["router"] = {**args["router"], "engine_transport": "http", "max_attempts": 2}
-    return args
+    return args(router={"engine_transport": "http", "max_attempts": 2})
 
 
 def leaky_error(url: str, token: str) -> aiohttp.ClientResponseError:
@@ -38,7 +36,7 @@ def leaky_error(url: str, token: str) -> aiohttp.ClientResponseError:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_transport_error_leaks_neither_the_token_nor_the_url(engines_without_ray, tiny_tokenizer, stream):
+def test_a_transport_error_leaks_neither_the_token_nor_the_url(tiny_tokenizer, stream):
     logs = RecordList()
     router_log = logging.getLogger("pd_serve")
     router_log.addHandler(logs)
@@ -88,11 +86,9 @@ def test_a_transport_error_leaks_neither_the_token_nor_the_url(engines_without_r
         router_log.removeHandler(logs)
 
 
-def test_a_kv_ready_for_another_engine_names_no_kv_address_to_the_client(engines_without_ray, tiny_tokenizer):
+def test_a_kv_ready_for_another_engine_names_no_kv_address_to_the_client(tiny_tokenizer):
     """The router refuses a KVReady whose KV host or port is not its decode engine's; why (both
     addresses) is the operator's to read in the log, not the client's."""
-    from tests.unit.test_orchestration import PROMPT, args, completion
-
     logs = RecordList()
     router_log = logging.getLogger("pd_serve")
     router_log.addHandler(logs)
@@ -147,7 +143,7 @@ def test_the_metaserver_relay_refuses_hostile_bodies_in_one_line(caplog):
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
 
 
-def test_an_engine_exception_is_the_operators_not_the_clients(engines_without_ray, tiny_tokenizer):
+def test_an_engine_exception_is_the_operators_not_the_clients(tiny_tokenizer):
     """An engine replica's exception crosses the call endpoint as text (its class and message:
     paths, addresses, whatever the engine's code put there). The client reads only that the
     decode engine's call failed; the router's log keeps the text, as one line (a line break in
@@ -187,11 +183,10 @@ def test_an_engine_exception_is_the_operators_not_the_clients(engines_without_ra
         router_log.removeHandler(logs)
 
 
-def test_the_mock_engines_kv_port_refuses_hostile_lines_in_one_line(engines_without_ray, tiny_tokenizer, caplog):
+def test_the_mock_engines_kv_port_refuses_hostile_lines_in_one_line(tiny_tokenizer, caplog):
     """The mock engine's KV side channel takes one JSON line per push from whoever connects. A
     line nested past Python's recursion limit, or longer than the reader's line limit, is refused
     ("no", or the connection closed) without a traceback in the log, and the engine still serves."""
-    from tests.unit.test_orchestration import PROMPT, args, completion
 
     async def main() -> None:
         app = await App.start(args(), tiny_tokenizer)

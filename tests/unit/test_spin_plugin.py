@@ -8,6 +8,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# Each test starts fresh interpreters that import vLLM: seconds of CPU each.
+pytestmark = pytest.mark.slow
+
 PROBE = """
 import multiprocessing, os, sys, time
 import zmq

@@ -29,7 +29,7 @@ def test_two_builds_are_byte_identical(tmp_path):
     assert script.folder_digest(DEFAULT_MODEL_DIR) == first
 
 
-def test_model_shape_fits_the_cpu_backend(tmp_path):
+def test_model_shape_fits_the_cpu_backend():
     config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     assert config["head_dim"] in (32, 64, 80, 96, 112, 128)
     assert config["num_hidden_layers"] == 2 and config["dtype"] == "float32"

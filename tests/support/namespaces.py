@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tests.integration.conftest import REPO_ROOT
+from tests.support.cluster import REPO_ROOT
 
 UNSHARE = ["unshare", "--pid", "--fork", "--net", "--mount-proc"]
 

@@ -1,6 +1,8 @@
 """The whole app in one process, without Ray: the router's ``RouterService`` driving the real
 ``Prefill`` / ``Decode`` deployment classes (their metaserver relay included) over mock engines,
-through stand-ins for Serve's deployment handles. Fast tests of the async orchestration use it.
+through stand-ins for Serve's deployment handles (``router.engine_transport: grpc``) or over the
+engines' own HTTP endpoints (``http``). Fast tests of the async orchestration use it, with the
+helpers below (``run``, ``completion``, ``expected``, ...).
 
 The handle stand-ins behave as Serve's do where the router can tell: a streaming call returns an
 async iterator with ``cancel()``; a unary call returns an awaitable with ``cancel()``; a dead
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,12 +23,14 @@ from unittest import mock
 
 import ray.exceptions
 
-from serve_app.config.backends import engine_specs
+from serve_app.config.backends import KV_PORT_STRIDE, engine_specs
 from serve_app.config.settings import load_config
 from serve_app.engines.decode import Decode
+from serve_app.engines.mock_runner import next_token
 from serve_app.engines.prefill import Prefill
 from serve_app.router.service import RouterService
 from serve_app.runtime.metrics import EngineMetrics, RouterMetrics
+from serve_app.runtime.ports import bindable, late_bound_ports
 
 
 class NullMetric:
@@ -203,8 +210,8 @@ MOCK_ARGS: dict[str, Any] = {
     "max_model_len": 2048,
     "prefill": {"num_replicas": 1},
     "decode": {"num_replicas": 2},
-    # Calls through the handle stand-ins, where faults are injected; tests/unit/test_engine_http.py
-    # runs the same app over the engines' own HTTP endpoints (router.engine_transport: http).
+    # Calls through the handle stand-ins, where faults are injected; ``args(router={"engine_transport":
+    # "http"})`` runs the same app over the engines' own HTTP endpoints (the ``transport`` fixture).
     "router": {
         "mode": "disaggregated",
         "engine_transport": "grpc",
@@ -214,8 +221,34 @@ MOCK_ARGS: dict[str, Any] = {
 }
 
 
+# The in-process apps' KV ports: the mock engines listen on kv_port_base + 16 * i (up to 8 engines
+# here). The default base (36000) is every process's: test processes run side by side (pytest -n,
+# `make test-fast`) or a `make run` would race for the same ports. Each process takes a block of
+# its own, once (its apps run one after the other).
+KV_ENGINES = 8
+_kv_port_base: int | None = None
+
+
+def kv_port_base() -> int:
+    """This process's block of KV ports, found free when first asked for."""
+    global _kv_port_base
+    if _kv_port_base is None:
+        ports = late_bound_ports()
+        size = KV_ENGINES * KV_PORT_STRIDE
+        blocks = range(ports.start - ports.start % size + size, ports.stop - size, size)
+        first = (os.getpid() * 7919) % len(blocks)  # processes starting together start apart
+        for base in [*blocks[first:], *blocks[:first]]:
+            if all(bindable("127.0.0.1", base + i * KV_PORT_STRIDE) for i in range(KV_ENGINES)):
+                _kv_port_base = base
+                break
+        else:
+            raise RuntimeError(f"no free block of KV ports in {ports}")
+    return _kv_port_base
+
+
 class App:
-    """The app of ``args`` in this process; ``await App.start(args)``, then ``await app.stop()``."""
+    """The app of ``args`` in this process; ``await App.start(args)``, then ``await app.stop()``.
+    Its engines' KV ports are this process's own (``kv_port_base()``) unless ``args`` name them."""
 
     def __init__(self) -> None:
         self.service: RouterService
@@ -225,13 +258,17 @@ class App:
     @classmethod
     async def start(cls, args: dict[str, Any], tokenizer: Any, metrics: RouterMetrics | None = None) -> App:
         app = cls()
-        config = load_config(args)
+        config = load_config({"kv_port_base": kv_port_base(), **args})
         handles: dict[str, tuple[str, Any]] = {}
         for spec in engine_specs(config):
             deployment = (Prefill if spec.role == "prefill" else Decode).func_or_class
             engine = deployment.__new__(deployment)
             # A replica freezes its process's heap once started; the test process is not theirs.
-            with mock.patch("serve_app.engines.server.freeze_startup_heap"):
+            # It reports to Ray's metrics, which would start Ray here: it reports to nothing.
+            with (
+                mock.patch("serve_app.engines.server.freeze_startup_heap"),
+                mock.patch("serve_app.engines.server.engine_metrics", null_engine_metrics),
+            ):
                 await engine.__init__(spec)
             app.engines[spec.name] = engine
             app.faults[spec.name] = Faults()
@@ -249,15 +286,17 @@ class App:
 
     async def stop(self) -> None:
         self.service.stop()
-        for engine in self.engines.values():
-            relay = getattr(engine, "relay", None)
-            if relay is not None:
-                await relay.stop()
-            if engine.call_server is not None:
-                await engine.call_server.stop()
+
+        async def stop_engine(engine: Any) -> None:
+            servers = [getattr(engine, "relay", None), engine.call_server]
+            await asyncio.gather(*(server.stop() for server in servers if server is not None))
             stopping = engine.__del__()  # as Serve does: awaits what it returns
             if stopping is not None:
                 await stopping
+
+        # Together, as Serve stops replicas: an in-replica server's stop waits for uvicorn's next
+        # check of its exit flag (every 0.1 s), so one after the other they cost every test that.
+        await asyncio.gather(*(stop_engine(engine) for engine in self.engines.values()))
 
     async def idle(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """Wait until nothing is held anywhere (router counters, engine requests, KV); fail with
@@ -280,3 +319,119 @@ class App:
             if asyncio.get_running_loop().time() > deadline:
                 raise AssertionError(f"resources still held: {snap}")
             await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------- driving the app
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
+
+
+def args(**changes: Any) -> dict[str, Any]:
+    """``MOCK_ARGS`` with ``changes``: a dict given for a dict field is merged into it (one level)."""
+    out = copy.deepcopy(MOCK_ARGS)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def run(coro_fn: Callable[[App], Awaitable[Any]], app_args: dict[str, Any], tokenizer: Any, metrics: RouterMetrics | None = None) -> Any:
+    """``await coro_fn(app)`` on the app of ``app_args`` (30 s at most), then the idle check."""
+
+    async def main() -> Any:
+        app = await App.start(app_args, tokenizer, metrics)
+        try:
+            result = await asyncio.wait_for(coro_fn(app), 30)
+            await app.idle()
+            return result
+        finally:
+            await app.stop()
+
+    return asyncio.run(main())
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    """The mock engine's ``n`` greedy tokens after ``prompt``."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
+
+
+async def play(response: Any, sent: list) -> None:
+    """Run a Starlette response as its server would, for a client that never disconnects by
+    itself (cancel the task to have it leave); every ASGI message it sends goes into ``sent``."""
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    await response({"type": "http"}, receive, send)
+
+
+def sse_events(sent: list[dict]) -> list:
+    """The SSE events (dicts, and "[DONE]") in the ASGI messages a response sent."""
+    events: list = []
+    raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def body_of(response: Any) -> tuple[int, Any]:
+    """(status, JSON body or the list of SSE events) of a Starlette response, consumed here."""
+    if hasattr(response, "body_iterator"):
+        sent: list[dict] = []
+        await play(response, sent)
+        return response.status_code, sse_events(sent)
+    return response.status_code, json.loads(response.body)
+
+
+async def completion(app: App, prompt: list[int], max_tokens: int = 8, stream: bool = False, **extra: Any) -> tuple[int, Any]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True, "stream": stream, **extra}
+    return await body_of(await app.service.http("completions", json.dumps(body).encode()))
+
+
+def tokens_of(events: list) -> list[int]:
+    return [t for e in events if isinstance(e, dict) for c in e.get("choices", []) for t in c.get("token_ids") or []]
+
+
+async def long_streaming_client(app: App, events: list) -> None:
+    """A client streaming a long completion that never disconnects by itself: cancel its task
+    to have it leave. What it is sent goes into ``events``."""
+    response = await app.service.http("completions", json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode())
+    await play(response, events)
+
+
+async def wait_until(predicate: Callable[[], Any], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def leased(app: App, role: str) -> bool:
+    """Whether the router holds a call on an engine of ``role``."""
+    return any(load.inflight for load in app.service.pool.of_role(role))
+
+
+def no_callbacks(app: App) -> None:
+    """Decode engines allocate KV but never call the metaserver back."""
+    for name, engine in app.engines.items():
+        if name.startswith("decode"):
+
+            async def lost(*_: Any, **__: Any) -> None:
+                return None
+
+            engine.runner.post_callback = lost
+
+
+def handle_calls(app: App) -> list[str]:
+    """The engine calls that went through the Serve handle stand-ins (stats polls aside)."""
+    return [call for faults in app.faults.values() for call in faults.calls if call != "stats"]
