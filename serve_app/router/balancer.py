@@ -44,6 +44,15 @@ def prefill_score(load: EngineLoad) -> int:
     return load.reserved_tokens + load.num_waiting
 
 
+def candidates(loads: Iterable[EngineLoad], avoid: Iterable[str] = ()) -> list[EngineLoad]:
+    """The healthy engines, those not in ``avoid`` if any: ``avoid`` is a preference, not a ban
+    (when every healthy engine is avoided, one decode engine say, they are all still candidates).
+    Empty when no engine is healthy."""
+    healthy = [load for load in loads if load.healthy]
+    avoided = set(avoid)
+    return [load for load in healthy if load.name not in avoided] or healthy
+
+
 def select(
     loads: Iterable[EngineLoad],
     score: ScoreFn,
@@ -51,16 +60,10 @@ def select(
     turn: int = 0,
     avoid: Iterable[str] = (),
 ) -> EngineLoad | None:
-    """The healthy engine with the lowest score, preferring those not in ``avoid``.
-
-    ``avoid`` is a preference, not a ban: when every healthy engine is avoided (one decode
-    engine, say), the best of them is still chosen. Returns None when no engine is healthy.
-    """
-    healthy = [load for load in loads if load.healthy]
-    if not healthy:
+    """Of the ``candidates``, the one with the lowest score (None when no engine is healthy)."""
+    preferred = candidates(loads, avoid)
+    if not preferred:
         return None
-    avoided = set(avoid)
-    preferred = [load for load in healthy if load.name not in avoided] or healthy
     best = min(score(load) for load in preferred)
     tied = [load for load in preferred if score(load) == best]
     return tied[turn % len(tied)]

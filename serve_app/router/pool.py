@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.router.balancer import EngineLoad, ScoreFn, decode_score, prefill_score, select
+from serve_app.router.balancer import EngineLoad, ScoreFn, candidates, decode_score, prefill_score, select
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.leak_audit import LeakAudit
 from serve_app.router.membership import ReplicaInfo, diff
@@ -243,10 +243,9 @@ class EnginePool:
         then holds it. ``request_load``: what the request adds to the role's load score."""
         if not self.pick_at_random and (self.prefix is None or not prefix_keys):
             return select(self.of_role(role), SCORES[role], turn=next(self._turn[role]), avoid=avoid)
-        healthy = [load for load in self.of_role(role) if load.healthy]
-        if not healthy:
+        preferred = candidates(self.of_role(role), avoid)
+        if not preferred:
             return None
-        preferred = [load for load in healthy if load.name not in avoid] or healthy
         if self.prefix is None or not prefix_keys:
             return random.choice(preferred)
         score = SCORES[role]
