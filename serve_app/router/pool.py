@@ -228,6 +228,10 @@ class EnginePool:
     def of_role(self, role: Role) -> list[EngineLoad]:
         return [load for load in self.loads.values() if load.role == role]
 
+    def choosable(self, role: Role) -> int:
+        """``role``'s engines that may be chosen for new work (joined, not leaving)."""
+        return sum(1 for load in self.of_role(role) if not load.draining)
+
     def has_healthy(self, role: Role) -> bool:
         return any(load.healthy for load in self.of_role(role))
 

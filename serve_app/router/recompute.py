@@ -166,6 +166,11 @@ class RecomputeStateMachine:
         self.phase = Phase.ATTEMPTING
         return self.current
 
+    @property
+    def last_engine(self) -> str | None:
+        """The engine the latest attempt streamed from or failed on (None: none yet)."""
+        return self._last_engine
+
     def on_delta(self, delta: TokenDelta, engine: str | None = None) -> Step:
         """Tokens (and maybe the end) of the current attempt's decode stream."""
         if self.phase is Phase.FINISHED:
@@ -222,7 +227,9 @@ class RecomputeStateMachine:
             self._last_engine = engine
         if not retryable:
             return self._fail(Emission(), reason, status)
-        return self._retry_or_fail(Emission(), reason, status)
+        step = self._retry_or_fail(Emission(), reason, status)
+        step.moved = moved
+        return step
 
     def fail(self, reason: str, status: int = 500) -> Step:
         """End the response with an error whatever the phase (e.g. the request deadline)."""

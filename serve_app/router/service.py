@@ -29,7 +29,7 @@ from serve_app.router.engine_client import EngineClient
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
 from serve_app.router.framing import SSE_DONE, sse
 from serve_app.router.leak_audit import Discrepancy, LeakAudit
-from serve_app.router.membership import MEMBERSHIP
+from serve_app.router.membership import MEMBERSHIP, ReplicaInfo
 from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
 from serve_app.router.pool import EnginePool, PrefixRouting
 from serve_app.router.session import ResponseSession
@@ -213,8 +213,14 @@ class RouterService:
         self.pool.on_joined = poll_joined
         for role, handles in self.pools.items():
             self.pool.attach(role, *handles)
-            self._unsubscribe.append(MEMBERSHIP.subscribe(self.app_name, role, functools.partial(self.pool.update, role)))
+            self._unsubscribe.append(MEMBERSHIP.subscribe(self.app_name, role, functools.partial(self.on_replicas, role)))
         self._poller = loop.create_task(self.pool.poll_forever(self.config.router.stats_interval_s))
+
+    def on_replicas(self, role: Role, running: list[ReplicaInfo]) -> None:
+        """Serve's latest list of ``role``'s replicas: the pool follows it, and the gauge says how
+        many of them the router can now choose."""
+        self.pool.update(role, running)
+        self.metrics.pool_replicas.set(self.pool.choosable(role), tags={"role": role})
 
     def stop(self) -> None:
         for unsubscribe in self._unsubscribe:

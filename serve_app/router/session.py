@@ -200,7 +200,6 @@ class ResponseSession:
 
     def _log_move(self, engine: str | None) -> None:
         machine = self.machine
-        self.metrics.moves.inc(tags={"engine": engine or ""})
         logger.info(
             "request %s attempt %d moves off %s (Serve is stopping it) with %d output tokens so far",
             machine.request_id,
@@ -211,6 +210,9 @@ class ResponseSession:
         )
 
     def _note_outcome(self, attempt_id: str, step: Step) -> None:
+        if step.action is Action.RETRY:
+            cause = "drain" if step.moved else "kv_full" if step.recomputed else "failure"
+            self.metrics.migrations.inc(tags={"cause": cause, "engine": self.machine.last_engine or ""})
         if step.recomputed:
             self.metrics.recompute.inc()
             if step.wasted_tokens > 0:  # a Ray counter takes positive increments only

@@ -36,7 +36,8 @@ class RouterMetrics:
     router_time: Any  # pd_router_seconds{route}: per request, the router's own time
     leak_requests: Any  # pd_leak_requests{engine}: requests an engine holds that no router does
     leak_kv_tokens: Any  # pd_leak_kv_tokens{engine}: KV an engine holds with no request in flight
-    moves: Any  # pd_moves_total{engine}: attempts moved off a decode engine Serve was stopping
+    migrations: Any  # pd_migrations_total{cause,engine}: attempts a request resumed from elsewhere, by why they ended
+    pool_replicas: Any  # pd_pool_replicas{role}: the engines of each pool this router replica can choose
     prefix_routed: Any  # pd_prefix_routed_tokens_total{role,engine}: prompt tokens the router expected the chosen engine to hold
 
 
@@ -87,7 +88,13 @@ def router_metrics() -> RouterMetrics:
         ),
         leak_requests=Gauge("pd_leak_requests", "requests an engine holds that no router holds (leak audit)", tag_keys=("engine",)),
         leak_kv_tokens=Gauge("pd_leak_kv_tokens", "KV tokens an engine holds with no request in flight (leak audit)", tag_keys=("engine",)),
-        moves=Counter("pd_moves", "attempts moved off a decode engine that Serve was stopping (drain)", tag_keys=("engine",)),
+        migrations=Counter(
+            "pd_migrations",
+            "attempts that ended with the request resuming on another attempt, by cause: kv_full (the decode engine recomputed), "
+            "drain (Serve was stopping the decode engine), failure (the attempt failed and is retried)",
+            tag_keys=("cause", "engine"),
+        ),
+        pool_replicas=Gauge("pd_pool_replicas", "engines of a pool that the router can choose (running, not leaving)", tag_keys=("role",)),
         prefix_routed=Counter(
             "pd_prefix_routed_tokens",
             "prompt tokens the router expected the engine it chose to hold in its prefix cache (router.balancer: prefix)",

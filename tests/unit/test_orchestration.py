@@ -316,6 +316,7 @@ def test_a_decode_engine_lost_mid_stream_is_resumed_token_exact(tiny_tokenizer, 
         assert app.faults["decode-1"].calls.count("generate") >= 1
         errors = app.service.metrics.errors
         assert errors.value(kind="decode") == 1 and errors.value(kind="timeout") is None
+        assert app.service.metrics.migrations.values == {(("cause", "failure"), ("engine", "decode-0")): 1}
 
     run(body, args(router={"mode": "colocated"}, decode={"num_replicas": 2}), tiny_tokenizer, recording_router_metrics())
 
@@ -437,9 +438,12 @@ def test_recompute_under_kv_pressure_through_the_session(tiny_tokenizer):
         for engine in app.engines.values():
             recomputed += sum(1 for r in engine.runner.requests.values() if r.get("stop_reason") == "recomputed")
         assert recomputed > 0
+        migrations = app.service.metrics.migrations.values
+        assert {tags for tags in migrations} <= {(("cause", "kv_full"), ("engine", name)) for name in app.engines}
+        assert sum(migrations.values()) == recomputed == app.service.metrics.recompute.value()
 
     pressure = args(router={"max_attempts": 30}, mock={"decode_step_s": 0.001, "kv_capacity_tokens": 200})
-    run(body, pressure, tiny_tokenizer)
+    run(body, pressure, tiny_tokenizer, recording_router_metrics())
 
 
 # ---------------------------------------------------------------------------- routes and framing
@@ -657,7 +661,7 @@ def test_a_stopping_decode_engine_hands_its_streams_to_another_token_exact(tiny_
         assert status == 200 and tokens_of(events) == expected(PROMPT, 300)
         assert len({e["id"] for e in events if isinstance(e, dict)}) == 1
         metrics = app.service.metrics
-        assert metrics.moves.value(engine=victim) == 1 and not metrics.errors.values
+        assert metrics.migrations.values == {(("cause", "drain"), ("engine", victim)): 1} and not metrics.errors.values
         assert victim not in app.service.pool.loads  # forgotten once nothing is held on it
         # Nothing new goes to it: the next request runs on the other engine alone.
         calls = len(app.faults[victim].calls)
@@ -696,7 +700,7 @@ def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_r
         assert status == 200 and tokens_of(events) == expected(PROMPT, 300)
         assert len({e["id"] for e in events if isinstance(e, dict)}) == 1
         metrics = app.service.metrics
-        assert metrics.moves.value(engine=victim) == 1 and not metrics.errors.values
+        assert metrics.migrations.values == {(("cause", "drain"), ("engine", victim)): 1} and not metrics.errors.values
         assert victim not in app.service.pool.loads
         await stopping  # it stops once nothing is in flight and no call has come for a while
         assert app.engines[victim]._stopped

@@ -162,6 +162,21 @@ def test_replica_metadata_becomes_a_member_that_is_callable_at_once():
     assert "decode-3" not in pool.members  # forgotten with its last lease
 
 
+def test_a_pool_counts_as_choosable_the_engines_serve_lists_and_not_those_leaving():
+    """What pd_pool_replicas{role} reports (service.on_replicas sets it from Serve's lists)."""
+    pool = EnginePool({})
+    pool.attach("decode", FakePoolHandle())
+    pool.attach("prefill", FakePoolHandle())
+    pool.update("decode", infos("decode", range(3)))
+    pool.update("prefill", infos("prefill", range(1)))
+    assert (pool.choosable("decode"), pool.choosable("prefill")) == (3, 1)
+    with pool.lease("decode-0", 10):
+        pool.update("decode", infos("decode", range(1, 3)))
+        assert "decode-0" in pool.members and pool.choosable("decode") == 2  # still held, but leaving
+    pool.update("decode", [])
+    assert pool.choosable("decode") == 0 and pool.choosable("prefill") == 1
+
+
 class FakePoolHandle:
     """A deployment handle whose calls record the replica they are pinned to."""
 
