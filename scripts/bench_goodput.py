@@ -108,6 +108,7 @@ class Outcome:
     chunk_gaps_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None
     tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # only when asked for (return_token_ids)
 
     @property
     def tpot_s(self) -> float | None:
@@ -153,18 +154,24 @@ def max_rate_meeting(per_rate: dict[float, dict[str, float]], attainment: float 
 
 
 # ---------------------------------------------------------------------------- the client
-async def one_request(session: Any, url: str, request: Request, start: float) -> Outcome:
+async def one_request(
+    session: Any, url: str, request: Request, start: float, model: str = SERVED_NAME, max_tokens: int = OUT, token_ids: bool = False
+) -> Outcome:
+    """One streamed greedy completion sent at its arrival time; ``token_ids``: keep the output's
+    ids (pd-serve's and vLLM's ``return_token_ids``)."""
     outcome = Outcome(long=request.long)
     await asyncio.sleep(max(0.0, start + request.at_s - time.perf_counter()))
-    body = {
-        "model": SERVED_NAME,
+    body: dict[str, Any] = {
+        "model": model,
         "prompt": request.prompt,
-        "max_tokens": OUT,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if token_ids:
+        body["return_token_ids"] = True
     sent = time.perf_counter()
     last = None
     try:
@@ -179,6 +186,8 @@ async def one_request(session: Any, url: str, request: Request, start: float) ->
                 event = json.loads(line[5:])
                 if event.get("usage"):
                     outcome.tokens = int(event["usage"]["completion_tokens"])
+                for choice in event.get("choices") or []:
+                    outcome.token_ids += choice.get("token_ids") or []
                 if not any(choice.get("text") for choice in event.get("choices") or []):
                     continue
                 now = time.perf_counter()
@@ -188,9 +197,9 @@ async def one_request(session: Any, url: str, request: Request, start: float) ->
                     outcome.chunk_gaps_s.append(now - last)
                 last = now
         outcome.e2e_s = time.perf_counter() - sent
-        outcome.ok = outcome.tokens == OUT
+        outcome.ok = outcome.tokens == max_tokens
         if not outcome.ok:
-            outcome.error = f"{outcome.tokens} tokens, not {OUT}"
+            outcome.error = f"{outcome.tokens} tokens, not {max_tokens}"
     except Exception as exc:  # a failed request counts against the target, it does not end the run
         outcome.error = repr(exc)[:200]
     return outcome
