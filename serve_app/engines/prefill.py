@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from ray import serve
 
+from serve_app.engines.records import push_timeline
 from serve_app.engines.server import EngineServer
 from serve_app.wire.protocol import EngineRejected, EngineRequest, PrefillResult
 
@@ -13,6 +15,8 @@ from serve_app.wire.protocol import EngineRejected, EngineRequest, PrefillResult
 # record rides with the engine stats of the very step that finished the prompt, so it is normally
 # there at once; the wait only covers an output batch split across event-loop turns.
 PUSH_RECORD_WAIT_S = 5.0
+
+logger = logging.getLogger("pd_serve.engine")
 
 
 class PrefillFailed(RuntimeError):
@@ -29,6 +33,7 @@ class Prefill(EngineServer):
         decode engine's receive deadline to learn it."""
         self.pinned(replica)
         arrived = self.calls_started = time.monotonic()
+        arrived_wall = time.time()  # the connector's push times are wall clock
         tokens = len(request.prompt_token_ids)
         self._prompt_tokens += tokens  # queued or computing: the autoscaler's prefill signal
         finish_reason = None
@@ -53,6 +58,8 @@ class Prefill(EngineServer):
             record = await self.runner.transfer_record(transfer_id, PUSH_RECORD_WAIT_S)
             if record is not None:
                 self._observe_push(record)
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug(push_timeline(transfer_id, record, arrived_wall), extra={"pd_transfer": transfer_id})
                 if record.get("outcome") != "done":
                     raise PrefillFailed(f"{self.spec.name}: KV push of {transfer_id} failed: {record.get('error')}")
         return PrefillResult(

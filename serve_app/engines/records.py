@@ -53,3 +53,19 @@ class TransferRecords:
             finally:
                 self._waiters.pop(transfer_id, None)
         return self._records.get(transfer_id)
+
+
+def push_timeline(transfer_id: str, record: dict[str, Any], since: float) -> str:
+    """One line that says when each layer of a push left, against the prefill call's arrival
+    (``since``, wall clock, as the connector's times): whether the push overlapped the forward
+    or trailed it is read off this (README, "Performance"; logged at DEBUG)."""
+
+    def ms(at: Any) -> str:
+        return "-" if at is None else f"+{(float(at) - since) * 1000:.1f}"
+
+    layers = " ".join(ms(at) for at in record.get("push_times") or [])
+    return (
+        f"transfer {transfer_id}: {record.get('layers_pushed', 0)} layers, {record.get('bytes_pushed', 0)} bytes; "
+        f"layers sent at [{layers}] ms, forward done {ms(record.get('forward_done_at'))} ms, "
+        f"acknowledged {ms(record.get('acked_at'))} ms after the call arrived"
+    )

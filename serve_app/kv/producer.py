@@ -250,6 +250,8 @@ class ProducerWorker:
         record["outcome"] = "failed" if reason else "done"
         if reason:
             record["error"] = reason
+        else:
+            record["acked_at"] = time.time()
         self._finished_records[tid] = record
         self._frames.pop(tid, None)
         self._broken.pop(tid, None)

@@ -9,12 +9,14 @@ and every other transfer still lands bit for bit.
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 
 import pytest
 import torch
 
+from serve_app.engines.records import push_timeline
 from serve_app.kv.consumer import ConsumerWorker
 from serve_app.kv.metadata import LayerwiseMetadata, LayerwiseStats, RecvSpec, SendSpec
 from serve_app.kv.producer import FrameSender, ProducerWorker
@@ -456,7 +458,12 @@ def test_producer_pushes_layers_the_consumer_writes(producer, consumer):
     assert rec["layers_pushed"] == 4 == len(rec["push_times"])
     assert rec["tokens_pushed"] == 8 and rec["steps"] == 2
     assert rec["bytes_pushed"] == 4 * KV_SHAPE[1] * KV_SHAPE[2] * KV_SHAPE[3] * 4
-    assert rec["first_layer_sent_at"] <= rec["last_layer_sent_at"] <= rec["forward_done_at"]
+    assert rec["first_layer_sent_at"] <= rec["last_layer_sent_at"] <= rec["forward_done_at"] <= rec["acked_at"]
+    # The per-layer timeline a prefill engine logs at DEBUG, from the same record.
+    line = push_timeline("t-1", rec, since=rec["first_layer_sent_at"])
+    sent_at = re.search(r"layers sent at \[(.*?)\] ms", line).group(1).split()
+    assert len(sent_at) == 4 and sent_at[0] == "+0.0" and all(float(t) >= 0 for t in sent_at)
+    assert "4 layers" in line and "acknowledged +" in line
     assert producer.take_records() == {}
     assert consumer.take_records()["t-1"]["frames_received"] == 4
 
