@@ -213,6 +213,16 @@ class RouterHTTPConfig(_Strict):
     max_connections: int = Field(
         4096, ge=1, description="connections and requests in progress per router replica; beyond it new ones get a 503 (uvicorn)"
     )
+    keep_alive_s: float = Field(
+        75.0,
+        gt=0,
+        description=(
+            "how long an idle kept-alive connection stays open; longer than clients' and load balancers' own idle "
+            "timeouts (aiohttp 15 s, httpx 5 s, nginx 60 s, AWS ALB 60 s), so that they close it first: a server "
+            "that closes it first can do so just as the client sends its next request, which the client sees "
+            "as a dropped connection"
+        ),
+    )
 
 
 class PrefixRoutingConfig(_Strict):

@@ -115,4 +115,5 @@ def serve_openai(service: RouterService, host: str, port: int) -> InReplicaServe
         header_timeout_s=http.header_timeout_s,
         max_connections=http.max_connections,
         max_header_bytes=http.max_header_bytes,
+        keep_alive_s=http.keep_alive_s,
     )

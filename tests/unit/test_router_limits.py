@@ -473,3 +473,25 @@ def test_idle_and_slow_connections_leave_real_requests_served(tiny_tokenizer):
             await app.stop()
 
     asyncio.run(main())
+
+
+def test_a_kept_alive_client_connection_stays_open_for_keep_alive_s_then_closes(tiny_tokenizer):
+    """router.http.keep_alive_s: idle between requests, a client's connection stays open (so the
+    client, whose own idle timeout is shorter, closes it first), and closes once past it."""
+    from serve_app.router.direct_http import serve_openai
+
+    async def main() -> None:
+        app = await App.start(app_args(http={"host": "127.0.0.1", "port": 1, "keep_alive_s": 1.5}), tiny_tokenizer)
+        server = serve_openai(app.service, "127.0.0.1", 0)
+        try:
+            sock = socket.create_connection(("127.0.0.1", server.address[1]))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"200 OK" in await asyncio.to_thread(sock.recv, 4096)
+            assert not await asyncio.to_thread(_closed_by_server, sock, 0.75)  # idle, still open
+            assert await asyncio.to_thread(_closed_by_server, sock, 3.0)  # closed past keep_alive_s
+            sock.close()
+        finally:
+            await server.stop()
+            await app.stop()
+
+    asyncio.run(main())
