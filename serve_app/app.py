@@ -103,6 +103,9 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
         **router.serve_options(DEFAULT_POLICY["router"]),
         max_ongoing_requests=router.max_ongoing_requests,
         graceful_shutdown_timeout_s=router.graceful_shutdown_timeout_s,
+        # A change to any of the app's args restarts the router replicas too (Serve versions every
+        # deployment of an app by its args): replacements listen before the old ones stop.
+        max_surge_percent=router.max_surge_percent,
         logging_config={"encoding": config.log_encoding, "log_level": config.log_level},
         ray_actor_options={
             "num_cpus": router.num_cpus,

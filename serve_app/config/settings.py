@@ -270,6 +270,17 @@ class RouterConfig(ScalingConfig):
     graceful_shutdown_timeout_s: float = Field(
         60.0, gt=3, description="how long a stopping router replica may take: the responses it is streaming finish within it"
     )
+    max_surge_percent: int = Field(
+        100,
+        ge=0,
+        le=100,
+        description=(
+            "Serve's rolling-update surge for the router replicas: on a redeploy (any change to the app's args) "
+            "replacements start, listening on router.http's port, before old replicas stop, so the port never "
+            "refuses a connection; 0: Serve's default (stop first: a lone router's port is closed until its "
+            "replacement listens)"
+        ),
+    )
     http: RouterHTTPConfig = Field(default_factory=RouterHTTPConfig)
     resources: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources per router replica (placement: e.g. {pd_head: 0.01})"

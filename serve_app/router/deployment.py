@@ -164,22 +164,15 @@ class Router:
         Serve's default signal does not see (serve_app/config/autoscaling.py)."""
         return {CLIENT_REQUESTS: float(self.service.inflight)}
 
-    def __del__(self) -> Any:
-        """Serve calls this when it stops the replica (a downscale, a redeploy) and awaits what it
-        returns: the HTTP server stops accepting and closes idle connections, the responses in
-        progress finish (uvicorn's graceful shutdown), up to the router's drain time; then the
-        service stops. Outside a running loop (the process ending) everything stops at once."""
-        http = getattr(self, "http", None)
-        if http is not None:
-            http.close()
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            self._stop_service()
-            return None
-        return self._drain()
-
-    async def _drain(self) -> None:
+    async def __del__(self) -> None:
+        """Serve awaits this when it stops the replica (a downscale, a redeploy): the HTTP server
+        leaves new connections to the other replicas on its port (a redeploy starts them first:
+        router.max_surge_percent), accepts those already queued, closes idle connections, and the
+        responses in progress finish (uvicorn's graceful shutdown), up to the router's drain time;
+        then the service stops. A coroutine function, not a function returning a coroutine as
+        the engines' destructors are: Serve's ingress wrapper awaits the router's destructor only
+        if it is one (Ray Serve 2.60 calls it and drops what it returns otherwise), and then
+        reports the replica stopped, which the controller kills with its responses cut."""
         http = getattr(self, "http", None)
         if http is not None:
             drain_s = self.service.config.router.graceful_shutdown_timeout_s - ROUTER_SHUTDOWN_MARGIN_S

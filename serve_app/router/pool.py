@@ -103,7 +103,9 @@ class EnginePool:
         # router.engine_transport: http; calls then go to an engine's own endpoint once known,
         # through its Serve handle before.
         self.client = client
-        self._by_replica: dict[str, str] = {}  # Serve replica id -> member name
+        # Serve replica id -> (member name, role), for as long as Serve lists the replica: a
+        # member that said "moved" may be forgotten before Serve's list drops its replica.
+        self._by_replica: dict[str, tuple[str, Role]] = {}
         self._pool_handles: dict[Role, tuple[Any, Any]] = {}
         self.on_joined: Callable[[str], None] | None = None
         self.prefix = prefix
@@ -121,16 +123,12 @@ class EnginePool:
 
     def update(self, role: Role, running: list[ReplicaInfo]) -> None:
         """Serve's latest list of ``role``'s running replicas: members join and leave."""
-        known = {rid: self._info(name) for rid, name in self._by_replica.items() if self.members[name].role == role}
+        known = {rid: ReplicaInfo(replica_id=rid, role=r, name=name) for rid, (name, r) in self._by_replica.items() if r == role}
         change = diff(known, [r for r in running if r.role == role])
         for replica_id in change.left:
             self.leave(replica_id)
         for info in change.joined:
             self.join(info)
-
-    def _info(self, name: str) -> ReplicaInfo:
-        m = self.members[name]
-        return ReplicaInfo(replica_id=m.replica_id or name, role=m.role, name=name)
 
     def join(self, info: ReplicaInfo) -> str:
         handle, stream_handle, stats_handle = self._pool_handles[info.role]
@@ -149,7 +147,7 @@ class EnginePool:
         # Serve lists a replica once its constructor has returned: its engine is up and its
         # endpoints are in its metadata, so it takes work now; its first stats poll follows.
         self.loads[name].healthy = True
-        self._by_replica[info.replica_id] = name
+        self._by_replica[info.replica_id] = (name, info.role)
         logger.info("engine %s (%s replica %s) joined", name, info.role, info.replica_id)
         if self.on_joined is not None:
             self.on_joined(name)
@@ -157,8 +155,9 @@ class EnginePool:
 
     def leave(self, replica_id: str) -> None:
         """Serve is stopping this replica: choose it for nothing new, move its decode streams."""
-        name = self._by_replica.pop(replica_id, None)
-        if name is not None:
+        name, _ = self._by_replica.pop(replica_id, (None, None))
+        member = self.members.get(name) if name is not None else None
+        if member is not None and member.replica_id == replica_id:  # not a later engine of that name
             self.drain(name)
 
     def drain(self, name: str) -> None:

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import select
 import socket
+import struct
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,10 +29,22 @@ _H11 = "uvicorn.protocols.http.h11_impl.H11Protocol"
 PROTOCOL_SYMBOLS = {
     "HttpToolsProtocol": tuple(
         f"{_HTTPTOOLS}.{name}"
-        for name in ("connection_made", "data_received", "connection_lost", "on_message_begin", "on_headers_complete", "transport")
+        for name in (
+            "connection_made",
+            "data_received",
+            "connection_lost",
+            "on_message_begin",
+            "on_headers_complete",
+            "shutdown",
+            "transport",
+            "cycle",
+        )
     ),
-    "H11Protocol": tuple(f"{_H11}.{name}" for name in ("connection_made", "data_received", "connection_lost", "transport", "conn")),
+    "H11Protocol": tuple(
+        f"{_H11}.{name}" for name in ("connection_made", "data_received", "connection_lost", "shutdown", "transport", "conn", "cycle")
+    ),
 }
+SERVER_SHUTDOWN = "uvicorn.server.Server.shutdown"  # calls each connection's ``shutdown``
 CAPTURE_SIGNALS = "uvicorn.server.Server.capture_signals"
 
 
@@ -130,11 +146,17 @@ def coalescing_http_protocol(
       connection closed (h11 has its own bound, ``h11_max_incomplete_event_size``). Bytes are
       counted per read from a connection's first read, or from the read after the one in which a
       kept-alive connection's next request began: the bound is exact on a new connection and
-      at most one read (256 KiB) more on a kept-alive one, never a header of any size."""
+      at most one read (256 KiB) more on a kept-alive one, never a header of any size.
+
+    And one change to uvicorn's graceful shutdown, which closes every connection that is between
+    responses: a connection whose request has not arrived whole (a new one, its request on the
+    way, or a kept-alive one whose next request has begun) is answered, then closed, instead of
+    closed with its request unread, which its client sees as a reset. A kept-alive connection
+    with nothing of a next request closes at once, as uvicorn does."""
     base = _protocol_base(implementation)
     h11_based = base.__name__ == "H11Protocol"
     without = f"write coalescing and the request-header bounds on uvicorn's {base.__name__}"
-    if not unchanged(PROTOCOL_SYMBOLS[base.__name__], logger, without):
+    if not unchanged((*PROTOCOL_SYMBOLS[base.__name__], SERVER_SHUTDOWN), logger, without):
         return base
 
     class CoalescingHttpProtocol(base):  # type: ignore[valid-type, misc]
@@ -142,6 +164,7 @@ def coalescing_http_protocol(
         _in_header = False
         _header_bytes = 0
         _header_tail = b""
+        _answer_then_close = False  # shut down while its request was arriving
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
@@ -162,6 +185,8 @@ def coalescing_http_protocol(
             super().data_received(data)
             if h11_based:  # h11 has no parser callbacks: its state says where the request is
                 self._follow_h11_state()
+                if self._answer_then_close and self.cycle is not None:
+                    self.cycle.keep_alive = False
 
         # httptools' parser callbacks
         def on_message_begin(self) -> None:
@@ -171,6 +196,18 @@ def coalescing_http_protocol(
         def on_headers_complete(self) -> None:
             self._header_done()
             super().on_headers_complete()
+            if self._answer_then_close:
+                self.cycle.keep_alive = False
+
+        def shutdown(self) -> None:
+            if not self._in_header:
+                super().shutdown()
+                return
+            # Its request is arriving: answered, then closed (still bounded by the header
+            # deadline). Pipelined behind a response in progress: that response is the last.
+            self._answer_then_close = True
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.keep_alive = False
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._header_done()
@@ -227,6 +264,66 @@ def _protocol_base(implementation: str) -> type[asyncio.Protocol]:
     return H11Protocol
 
 
+# Handing a shared port over (SO_REUSEPORT: the router replicas). Closing a listener resets every
+# connection the kernel has queued on it and not yet accepted; with SO_REUSEPORT the kernel hashes
+# each new connection to one of the port's listeners, so a replica that stops while others serve
+# would reset the share of new connections it was dealt in its last moments. So a stopping
+# listener first drops new connections' SYNs (a socket filter), lets the handshakes already under
+# way finish, accepts everything queued, and only then closes. A client whose SYN was dropped
+# sends it again about a second later, when the kernel gives it to a listener still open.
+SO_ATTACH_FILTER = 26  # Linux's socket option (not in Python's socket module)
+# Classic BPF over a TCP segment (offset 0: the TCP header): ld [13] (the flags byte); jset SYN;
+# ret 0 (drop); ret 0xffffffff (keep it all).
+DROP_SYN_FILTER = ((0x30, 0, 0, 13), (0x45, 0, 1, 0x02), (0x06, 0, 0, 0), (0x06, 0, 0, 0xFFFFFFFF))
+# A handshake whose SYN was answered before the filter completes within a round trip (µs on
+# loopback, well under a millisecond on a LAN).
+HANDSHAKE_GRACE_S = 0.05
+ACCEPT_POLL_S = 0.005
+HAND_OFF_LIMIT_S = 2.0  # the event loop accepts what was queued in a few iterations
+
+
+def drop_new_connections(sock: socket.socket) -> bool:
+    """Make the kernel drop new connections' SYNs at ``sock``, a listening TCP socket; segments of
+    connections already under way pass. False where it cannot (not Linux, or refused)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    program = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *insn) for insn in DROP_SYN_FILTER))
+    fprog = struct.pack("HL", len(DROP_SYN_FILTER), ctypes.addressof(program))  # struct sock_fprog
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)  # the kernel copies the program
+    except OSError as exc:
+        logger.warning("a stopping listener on %s cannot refuse new connections first: %s", sock.getsockname(), exc)
+        return False
+    return True
+
+
+def queued_connections(sock: socket.socket) -> bool:
+    """Whether the kernel holds a connection for ``sock`` (a listener) that is not yet accepted."""
+    poller = select.poll()  # not select(): a Ray worker's descriptors can pass FD_SETSIZE
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+async def hand_off(sock: socket.socket, limit_s: float = HAND_OFF_LIMIT_S) -> None:
+    """Before ``sock`` (a listener whose port others share) closes: no new connection is queued on
+    it, and the event loop, still serving, has accepted every one that was (module comment)."""
+    if not drop_new_connections(sock):
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    await asyncio.sleep(HANDSHAKE_GRACE_S)
+    while queued_connections(sock) and loop.time() < deadline:
+        await asyncio.sleep(ACCEPT_POLL_S)
+
+
+def shares_port(sock: socket.socket) -> bool:
+    reuse_port = getattr(socket, "SO_REUSEPORT", None)
+    try:
+        return reuse_port is not None and bool(sock.getsockopt(socket.SOL_SOCKET, reuse_port))
+    except OSError:
+        return False
+
+
 class InReplicaServer:
     """Serves ``app`` on ``sock`` from the running event loop until ``stop``."""
 
@@ -250,6 +347,7 @@ class InReplicaServer:
         ``http``: uvicorn's protocol ("auto": httptools if installed, else h11)."""
         self.sock = sock
         self.address = sock.getsockname()
+        self.shares_port = shares_port(sock)
         # log_config=None: uvicorn would otherwise run logging.config.dictConfig, which closes every
         # handler in the process, Serve's log-file handler of this replica included.
         config = uvicorn.Config(
@@ -274,6 +372,15 @@ class InReplicaServer:
         self._server.should_exit = True
 
     async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving: a listener that shares its port with other replicas (SO_REUSEPORT) first
+        leaves new connections to them and accepts those queued on it (``hand_off``); then
+        uvicorn's graceful shutdown closes the idle connections and lets the requests in progress
+        finish, up to ``timeout_s`` in all."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self.shares_port:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(hand_off(self.sock), min(timeout_s, HAND_OFF_LIMIT_S + HANDSHAKE_GRACE_S))
         self.close()
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(self._task, timeout_s)
+            await asyncio.wait_for(self._task, max(0.0, deadline - loop.time()))

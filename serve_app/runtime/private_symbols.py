@@ -98,6 +98,21 @@ def _protocol_method(module: str, cls: str, method: str, params: str) -> Symbol:
     return Symbol(module, f"{cls}.{method}", "uvicorn", OVERRIDE, "serve_app/runtime/http_server.py", BOTH, params=(params,))
 
 
+def _cycle(module: str, cls: str, created_in: str) -> Symbol:
+    """The protocol's request-response cycle, whose ``keep_alive`` a shutting-down connection
+    clears as uvicorn's own ``shutdown`` does."""
+    return Symbol(
+        module,
+        f"{cls}.cycle",
+        "uvicorn",
+        READ,
+        "serve_app/runtime/http_server.py",
+        BOTH,
+        kind=INSTANCE_ATTRIBUTE,
+        source_has=((f"{cls}.{created_in}", "self.cycle = RequestResponseCycle("), (f"{cls}.shutdown", "self.cycle.keep_alive = False")),
+    )
+
+
 def _transport(module: str, cls: str) -> Symbol:
     return Symbol(
         module,
@@ -260,16 +275,31 @@ _ENTRIES: tuple[Symbol, ...] = (
         params=("(self)",),
         source_has=(("Server.serve", "self.capture_signals()"),),
     ),
+    # A connection's ``shutdown``, which uvicorn's graceful shutdown calls on every connection.
+    Symbol(
+        "uvicorn.server",
+        "Server.shutdown",
+        "uvicorn",
+        READ,
+        "serve_app/runtime/http_server.py",
+        BOTH,
+        params=("(self, sockets)",),
+        source_has=(("Server.shutdown", "connection.shutdown()"),),
+    ),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "connection_made", "(self, transport)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "data_received", "(self, data)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "connection_lost", "(self, exc)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_message_begin", "(self)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_headers_complete", "(self)"),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "shutdown", "(self)"),
     _transport(_HTTPTOOLS, "HttpToolsProtocol"),
+    _cycle(_HTTPTOOLS, "HttpToolsProtocol", "on_headers_complete"),
     _protocol_method(_H11, "H11Protocol", "connection_made", "(self, transport)"),
     _protocol_method(_H11, "H11Protocol", "data_received", "(self, data)"),
     _protocol_method(_H11, "H11Protocol", "connection_lost", "(self, exc)"),
+    _protocol_method(_H11, "H11Protocol", "shutdown", "(self)"),
     _transport(_H11, "H11Protocol"),
+    _cycle(_H11, "H11Protocol", "handle_events"),
     Symbol(
         _H11,
         "H11Protocol.conn",

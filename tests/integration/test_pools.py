@@ -198,3 +198,89 @@ def test_over_serve_handles_each_call_reaches_the_replica_the_schedule_chose(clu
         final = app.handle.complete.remote({"prompt": prompts[0], "max_tokens": 12, "temperature": 0, "return_token_ids": True})
         assert final.result(timeout_s=120)["choices"][0]["token_ids"] == want[0]
         wait_idle(app)
+
+
+LOADERS = 4
+REDEPLOY_TOKENS = 96
+REDEPLOYED = {
+    "served_model_name": "tiny-llama",
+    "max_model_len": 2048,
+    "engine_kwargs": ENGINE_KWARGS,
+    # A pool of one engine: its replacement starts before it stops (max_surge_percent), else
+    # prompts would wait for a prefill engine while the replacement starts.
+    "prefill": {"num_replicas": 1, "num_cpus": 0.2, "max_surge_percent": 100},
+    "decode": {"num_replicas": 2, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 64 << 20}},
+    "router": {"mode": "disaggregated", "num_cpus": 0.1, "timeouts": TIMEOUTS},
+}
+
+
+def test_a_redeploy_with_a_changed_decode_engine_argument_under_load_loses_no_request(cluster, baseline_app):
+    """A user changes a decode engine argument (its KV cache size, which changes no output) and
+    redeploys the app as `serve deploy` does, while clients stream greedy completions. Serve
+    replaces every replica of the app (it versions them all by the app's args): the decode
+    engines one at a time, their streams moving to the other engine; the router replicas, whose
+    replacements listen on the port before the old ones stop and finish their responses. Every
+    request is answered once, whole and token for token as without the redeploy."""
+    import copy
+
+    from ray import serve
+
+    from serve_app.app import Plugins, build_app_with
+
+    prompts = [token_pattern(40 + 8 * i, seed=1300 + i) for i in range(8)]
+    want = [completion_ids(baseline_app, p, max_tokens=REDEPLOY_TOKENS)[1] for p in prompts]
+    with deployed(cluster, "pools-redeploy", REDEPLOYED) as app:
+        old_decode = {e["replica"] for e in decode_members(app).values()}
+        old_router = app.snapshot()["router"]["replica"]
+        assert len(old_decode) == 2
+        stop = threading.Event()
+        results: list[tuple[int, set[str] | None, list[int] | None, str | None, str | None]] = []
+
+        def load(i: int) -> None:
+            n = 0
+            while not stop.is_set():
+                k = (i + n * LOADERS) % len(prompts)
+                try:
+                    ids, tokens, finish = stream_tokens(app, prompts[k], REDEPLOY_TOKENS)
+                    results.append((k, ids, tokens, finish, None))
+                except Exception as exc:  # the client's view: any failure is an error here
+                    results.append((k, None, None, None, repr(exc)))
+                n += 1
+
+        watch = LogWatch()
+        with ThreadPoolExecutor(LOADERS) as pool:
+            loaders = [pool.submit(load, i) for i in range(LOADERS)]
+            try:
+                wait_for("the load is under way", lambda: len(results) >= LOADERS, timeout_s=120, interval_s=0.1)
+                changed = copy.deepcopy(app.args)
+                changed["decode"]["engine_kwargs"] = {"kv_cache_memory_bytes": 48 << 20}
+                before = len(results)
+                serve.run(build_app_with(changed, Plugins()), name=app.name, route_prefix=app.route_prefix)
+
+                def replaced() -> bool:
+                    members = decode_members(app)
+                    ids = {e["replica"] for e in members.values()}
+                    return len(ids) == 2 and not ids & old_decode and all(e["healthy"] for e in members.values())
+
+                wait_for("the router uses two new decode replicas", replaced, timeout_s=120, interval_s=0.5)
+                assert serve.status().applications[app.name].status == "RUNNING"
+                during = len(results) - before
+                after = len(results)
+                wait_for("more requests after the redeploy", lambda: len(results) >= after + 2 * LOADERS, timeout_s=300, interval_s=0.2)
+            finally:
+                stop.set()
+            for loader in loaders:
+                loader.result()
+        new_router = app.snapshot()["router"]["replica"]
+        logs = watch.new_text()
+        rollout = [line for line in watch.new_text("serve").splitlines() if "Adding" in line or "Stopping" in line]
+        print(f"{len(results)} requests, {during} answered while the redeploy ran; router {old_router} -> {new_router}")
+        print(f"streams moved off a stopping decode engine: {logs.count('moves off')}")
+        print("\n".join(rollout))
+
+        errors = [error for *_, error in results if error is not None]
+        assert not errors, errors
+        for k, ids, tokens, finish, _ in results:
+            assert ids is not None and len(ids) == 1 and finish == "length", (k, ids, finish)
+            assert tokens == want[k], k
+        wait_idle(app)

@@ -31,6 +31,9 @@ def test_serve_yaml_is_valid_and_explicit_about_cpus():
         ({"router": {"http": {"max_body_bytes": 10}}}, "router.http.max_body_bytes"),
         ({"router": {"http": {"max_header_bytes": 10}}}, "router.http.max_header_bytes"),
         ({"router": {"operator_token": "short"}}, "router.operator_token"),
+        ({"router": {"max_surge_percent": 101}}, "router.max_surge_percent"),
+        ({"router": {"max_surge_percent": -1}}, "router.max_surge_percent"),
+        ({"decode": {"max_surge_percent": 101}}, "decode.max_surge_percent"),
     ],
 )
 def test_bad_config_names_the_field(args, field):
@@ -94,3 +97,21 @@ def test_build_app_fails_at_start_on_bad_args():
 
     with pytest.raises(ConfigError, match="router.mode"):
         build_app({"router": {"mode": "sideways"}})
+
+
+def test_a_redeploy_starts_the_new_router_replicas_before_it_stops_the_old():
+    """Serve versions every deployment of an app by the app's args, so a change to any of them
+    (a decode engine argument) restarts the router replicas too. By default Serve's rolling update
+    stops a replica before starting its replacement, and a lone router's port would refuse
+    connections meanwhile: the router surges (router.max_surge_percent, 100 by default) and its
+    old replicas stop once the new ones listen. The engine pools keep Serve's default unless set."""
+    from serve_app.app import build_app
+
+    def surges(args):
+        router = build_app(args)._bound_deployment
+        engines = {role: e._bound_deployment for role, e in router.init_args[1].items()}
+        return router._deployment_config.max_surge_percent, {r: e._deployment_config.max_surge_percent for r, e in engines.items()}
+
+    assert load_config({}).router.max_surge_percent == 100
+    assert surges({}) == (100, {"prefill": 0, "decode": 0})
+    assert surges({"router": {"max_surge_percent": 0}, "prefill": {"max_surge_percent": 100}}) == (0, {"prefill": 100, "decode": 0})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import socket
+import sys
 import threading
 
 import pytest
@@ -159,3 +160,113 @@ def test_a_stream_through_the_server_arrives_whole_on_a_kept_alive_connection():
             await server.stop()
 
     assert asyncio.run(scenario()) == [b"one,two,three", b"one,two,three"]
+
+
+# ---------------------------------------------------------------------------- stopping
+async def _hello(request: Request) -> JSONResponse:
+    return JSONResponse({"ok": True})
+
+
+def _run_on(loop_kind: str, main):
+    if loop_kind == "uvloop":
+        return pytest.importorskip("uvloop").run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"), reason="SO_REUSEPORT")
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_listener_that_shares_its_port_stops_without_resetting_a_new_connection(loop_kind):
+    """Router replicas share router.http's port (SO_REUSEPORT) and a redeploy stops the old ones
+    while their replacements serve. Closing a listener resets the connections the kernel queued
+    on it, its share of the port's new connections: a stopping one first leaves new connections
+    to the others and accepts what was queued. Clients connecting all along see no error."""
+
+    async def main() -> tuple[int, list[str]]:
+        app = Starlette(routes=[Route("/", _hello)])
+        first = listening_socket("127.0.0.1", 0, reuse_port=True)
+        port = first.getsockname()[1]
+        servers = [InReplicaServer(app, first)]
+        stop, errors, answered = threading.Event(), [], [0]
+
+        def client() -> None:
+            while not stop.is_set():
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                try:
+                    conn.request("GET", "/")
+                    response = conn.getresponse()
+                    assert response.read() == b'{"ok":true}'
+                    answered[0] += 1
+                except Exception as exc:
+                    errors.append(repr(exc))
+                finally:
+                    conn.close()
+
+        clients = [asyncio.create_task(asyncio.to_thread(client)) for _ in range(6)]
+        try:
+            for _ in range(3):  # a replacement starts, then the replica it replaces stops
+                servers.append(InReplicaServer(app, listening_socket("127.0.0.1", port, reuse_port=True)))
+                await asyncio.sleep(0.3)
+                await servers.pop(0).stop()
+            await asyncio.sleep(0.3)
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+            await servers[0].stop()
+        return answered[0], errors
+
+    answered, errors = _run_on(loop_kind, main)
+    assert answered and not errors, errors
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux socket filter")
+def test_a_listener_that_drops_new_connections_keeps_serving_the_ones_under_way():
+    from serve_app.runtime.http_server import drop_new_connections, queued_connections
+
+    with listening_socket("127.0.0.1", 0) as listener:
+        address = listener.getsockname()
+        with socket.create_connection(address, timeout=5) as before:
+            assert queued_connections(listener)
+            assert drop_new_connections(listener)
+            with pytest.raises(TimeoutError):  # its SYN is dropped: no answer, not refused
+                socket.create_connection(address, timeout=0.3)
+            accepted, _ = listener.accept()  # the connection queued before is still there
+            with accepted:
+                before.sendall(b"ping")
+                assert accepted.recv(4) == b"ping"
+                accepted.sendall(b"pong")
+                assert before.recv(4) == b"pong"
+            assert not queued_connections(listener)
+
+
+@pytest.mark.parametrize("implementation", ["httptools", "h11"])
+def test_a_stopping_server_answers_a_request_still_arriving_and_closes_idle_connections(implementation):
+    """uvicorn's graceful shutdown closes every connection between responses, a new one whose
+    request is on its way included: its client would see a reset. Here it gets its answer, then
+    the connection closes; a kept-alive connection with nothing pending closes at once."""
+
+    async def main() -> tuple[bytes, bytes]:
+        server = InReplicaServer(Starlette(routes=[Route("/", _hello)]), listening_socket("127.0.0.1", 0), http=implementation)
+        connections = server._server.server_state.connections
+        idle = socket.create_connection(server.address, timeout=10)
+        idle.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        first = await asyncio.to_thread(idle.recv, 65536)
+        assert b"200 OK" in first and b'{"ok":true}' in first
+        arriving = socket.create_connection(server.address, timeout=10)
+        while len(connections) < 2:  # both accepted
+            await asyncio.sleep(0.01)
+        stopping = asyncio.create_task(server.stop())
+        while server.sock.fileno() != -1:  # uvicorn's shutdown has begun: connections were told
+            await asyncio.sleep(0.01)
+        arriving.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        answer = b""
+        while chunk := await asyncio.to_thread(arriving.recv, 65536):  # until the server closes it
+            answer += chunk
+        idle_after = await asyncio.to_thread(idle.recv, 65536)
+        await stopping
+        idle.close()
+        arriving.close()
+        return answer, idle_after
+
+    answer, idle_after = asyncio.run(main())
+    assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b'{"ok":true}')  # then closed
+    assert idle_after == b""

@@ -8,6 +8,7 @@ held anywhere: router counters and leases, engine requests, KV, relay registrati
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from types import SimpleNamespace
@@ -633,6 +634,37 @@ def test_an_in_replica_server_listens_and_stops():
             pass
 
     asyncio.run(main())
+
+
+# Python's own finalizer calls the wrapper's async __del__ too when the test drops the replica.
+@pytest.mark.filterwarnings("ignore:coroutine .*__del__' was never awaited:RuntimeWarning")
+def test_serve_awaits_a_stopping_router_replicas_drain():
+    """What Serve runs when it stops a router replica is serve.ingress's wrapper, whose destructor
+    awaits the router's only if that is a coroutine function (Ray Serve 2.60): a destructor that
+    returned its drain as a coroutine had it dropped, and the replica was killed with its
+    responses in progress. The drain runs whole: the HTTP server, then the service."""
+    from serve_app.config.settings import load_config
+    from serve_app.router.deployment import ROUTER_SHUTDOWN_MARGIN_S, Router
+
+    stopped: list[tuple[Any, ...]] = []
+
+    class HTTP:
+        async def stop(self, timeout_s: float) -> None:
+            await asyncio.sleep(0.01)
+            stopped.append(("http", timeout_s))
+
+    class Service:
+        config = load_config({"router": {"graceful_shutdown_timeout_s": 20}})
+
+        def stop(self) -> None:
+            stopped.append(("service",))
+
+    replica = object.__new__(Router.func_or_class)  # the class Serve instantiates
+    replica.http, replica.service = HTTP(), Service()
+    asyncio.run(replica.__del__())
+    assert stopped == [("http", 20 - ROUTER_SHUTDOWN_MARGIN_S), ("service",)]
+    del replica
+    gc.collect()  # here, under this test's filter
 
 
 # ---------------------------------------------------------------------------- a pool shrinking (drain)

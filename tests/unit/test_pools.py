@@ -177,6 +177,29 @@ def test_a_pool_counts_as_choosable_the_engines_serve_lists_and_not_those_leavin
     assert pool.choosable("decode") == 0 and pool.choosable("prefill") == 1
 
 
+def test_an_engine_forgotten_after_saying_moved_keeps_serves_later_lists_working():
+    """A stopping decode engine says "moved" before Serve's list drops it (Ray Serve 2.60: about
+    5 s later); the router forgets it with its last lease. Serve's lists after that still apply:
+    the replica listed meanwhile does not join again, the replacements a redeploy starts join
+    (one of them under the same name), and the old replica leaving later drains nothing else."""
+    pool = EnginePool({})
+    pool.attach("decode", FakePoolHandle())
+    pool.update("decode", infos("decode", range(2)))
+    with pool.lease("decode-0", 10):
+        pool.drain("decode-0")  # its stream ended "moved"
+    assert "decode-0" not in pool.members
+    pool.update("decode", infos("decode", range(2)))  # Serve still lists it
+    assert "decode-0" not in pool.members
+    replacement = ReplicaInfo("decode-new0", "decode", "decode-0")  # Serve gives the new replica rank 0 again
+    pool.update("decode", [*infos("decode", range(2)), replacement])
+    assert pool.members["decode-0"].replica_id == "decode-new0" and pool.loads["decode-0"].healthy
+    pool.update("decode", [*infos("decode", range(1, 2)), replacement])  # the old one leaves Serve's list
+    assert not pool.loads["decode-0"].draining and pool.choosable("decode") == 2
+    pool.update("decode", [replacement, ReplicaInfo("decode-new1", "decode", "decode-1")])  # and the other
+    assert pool.choosable("decode") == 2
+    assert {m.replica_id for m in pool.members.values()} == {"decode-new0", "decode-new1"}
+
+
 class FakePoolHandle:
     """A deployment handle whose calls record the replica they are pinned to."""
 
