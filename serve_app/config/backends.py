@@ -213,6 +213,7 @@ class PoolSpec:
     config: dict[str, Any]  # AppConfig.deployment_args(): no pool's scaling options
     role: Role
     index_base: int = 0  # pool_offset of the role in the full config
+    port_base: int = 0  # kv_port_offset of the role in the full config
     engines_cores: tuple[int, ...] = ()  # replicas_keep_off of the full config
     # A replacement KV connector (``module:Class``), from Python only: the tests' fault injection.
     kv_connector: str | None = None
@@ -220,7 +221,7 @@ class PoolSpec:
     def for_rank(self, rank: int, unique_id: str = "") -> EngineSpec:
         from serve_app.config.settings import load_config
 
-        spec = replica_spec(load_config(self.config), self.role, rank, unique_id, index_base=self.index_base)
+        spec = replica_spec(load_config(self.config), self.role, rank, unique_id, index_base=self.index_base, port_base=self.port_base)
         spec = replace(spec, engines_cores=self.engines_cores)
         return with_connector(spec, self.kv_connector) if self.kv_connector else spec
 
@@ -231,6 +232,7 @@ def pool_spec(config: AppConfig, role: Role, kv_connector: str | None = None) ->
         config=config.deployment_args(),
         role=role,
         index_base=pool_offset(config, role),
+        port_base=kv_port_offset(config, role),
         engines_cores=tuple(sorted(replicas_keep_off(config))),
         kv_connector=kv_connector,
     )
@@ -244,7 +246,16 @@ def pool_offset(config: AppConfig, role: Role) -> int:
     return 0 if role == "prefill" else (config.prefill.max_replicas if config.has_prefill() else 0)
 
 
-def replica_spec(config: AppConfig, role: Role, rank: int, unique_id: str = "", index_base: int | None = None) -> EngineSpec:
+def kv_port_offset(config: AppConfig, role: Role) -> int:
+    """The KV port block of a role's rank 0: decode's come after twice the most prefill engines
+    there can be, since Serve numbers a rolling update's replacements past the ranks still running
+    (a pool of one prefill engine has a prefill-1 while its successor starts)."""
+    return 0 if role == "prefill" else (2 * config.prefill.max_replicas if config.has_prefill() else 0)
+
+
+def replica_spec(
+    config: AppConfig, role: Role, rank: int, unique_id: str = "", index_base: int | None = None, port_base: int | None = None
+) -> EngineSpec:
     """The spec of the engine that is replica ``rank`` of ``role``'s deployment (named
     ``<role>-<rank>``). ``unique_id`` (Serve's replica id) makes its KV engine id unique across
     replacements, so a KVReady from a replaced replica never matches its successor."""
@@ -253,7 +264,8 @@ def replica_spec(config: AppConfig, role: Role, rank: int, unique_id: str = "", 
     ncores = max(1, os.cpu_count() or 1)
     index = (pool_offset(config, role) if index_base is None else index_base) + rank
     name = f"{role}-{rank}"
-    kv_port = config.kv_port_base + index * KV_PORT_STRIDE
+    port_index = (kv_port_offset(config, role) if port_base is None else port_base) + rank
+    kv_port = config.kv_port_base + port_index * KV_PORT_STRIDE
     if kv_port + KV_PORT_STRIDE > 65535:
         kv_port = config.kv_port_base  # a high rank: the fallback (cpu) finds a free port at start
     env = dict(backend.engine_env)

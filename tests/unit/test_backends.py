@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from serve_app.config.backends import ASCEND as ASCEND_BACKEND
-from serve_app.config.backends import KV_PORT_STRIDE, RECV_DEADLINE_MARGIN_S, engine_specs, prepare_engine_environment
+from serve_app.config.backends import KV_PORT_STRIDE, RECV_DEADLINE_MARGIN_S, engine_specs, prepare_engine_environment, replica_spec
 from serve_app.config.settings import load_config
 from serve_app.vllm_plugins.watchdog import ENV as WATCHDOG_ENV
 
@@ -75,11 +75,16 @@ def test_colocated_ascend_decode_runs_without_recompute_and_says_why(caplog):
     assert cpu.engine_kwargs["scheduler_cls"].endswith("RecomputeScheduler") and not cpu.notes
 
 
-def test_every_engine_gets_its_own_kv_port_block():
+def test_every_engine_gets_its_own_kv_port_block_rolling_update_replacements_too():
     specs = list(specs_by_name(ASCEND).values())
     ports = [s.engine_kwargs["kv_transfer_config"]["kv_port"] for s in specs]
     assert len(set(ports)) == len(ports) == 3
-    assert sorted(ports) == [36000, 36016, 36032]
+    # Decode's blocks start after twice the prefill pool (2 engines): a rolling update's
+    # replacement (Serve ranks it past the running ones, prefill-2 here) has a block of its own.
+    assert sorted(ports) == [36000, 36016, 36064]
+    config = load_config(ASCEND)
+    replacement = replica_spec(config, "prefill", config.prefill.max_replicas)
+    assert replacement.engine_kwargs["kv_transfer_config"]["kv_port"] not in ports
 
 
 def test_ascend_leaves_cpu_settings_out():
