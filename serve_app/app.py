@@ -12,6 +12,7 @@ offline hub) through Ray's runtime_env, where the dashboard shows it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ from ray.serve import Application
 from serve_app.config.autoscaling import DEFAULT_POLICY
 from serve_app.config.backends import BACKENDS, environment_problems, pool_spec, replica_spec, replicas_keep_off
 from serve_app.config.settings import ConfigError, load_config
+
+logger = logging.getLogger("pd_serve.app")
 
 ENGINE_REQUEST_ROUTER = "serve_app.router.replica_router:EngineRequestRouter"
 # How often a stopping engine replica checks Serve's own count of its requests before Serve calls
@@ -52,6 +55,18 @@ class Plugins:
     kv_connector: str | None = None
 
 
+def _warn_if_cluster_is_short(config: Any) -> None:
+    """Say so at start when the cluster's CPUs cannot hold every pool at its most (not an error:
+    a cluster that grows places them later)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    short = config.cpus_short_of(float(ray.cluster_resources().get("CPU", 0.0)))
+    if short:
+        logger.warning("pd-serve config: %s", short)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The application of ``configs/serve.yaml`` (Serve calls app builders with the args alone)."""
     return build_app_with(args, Plugins())
@@ -66,6 +81,7 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
     from serve_app.router.deployment import Router
 
     config = load_config(args)
+    _warn_if_cluster_is_short(config)
     config_data = config.deployment_args()
     cores = list(replicas_keep_off(config))
     engines = {}

@@ -383,6 +383,27 @@ class AppConfig(_Strict):
                 raise ValueError(f"{role}.cpu_bind lists {len(group.cpu_bind)} values for {group.initial_replicas} engines")
         return self
 
+    def cpus_short_of(self, cluster_cpus: float) -> str | None:
+        """What the cluster's ``cluster_cpus`` cannot place at every pool's ``max_replicas`` (None:
+        all of it fits). A warning, not an error: on a cluster that grows (Ray's autoscaler) the
+        replicas beyond it wait, PENDING, for nodes; on a fixed one they never start, and the
+        pools work with the replicas they have."""
+        parts = []
+        need = 0.0
+        for role in ("prefill", "decode", "router"):
+            group = getattr(self, role)
+            count = group.max_replicas if (role != "prefill" or self.has_prefill()) else 0
+            if count:
+                need += count * group.num_cpus
+                key = "autoscaling_config.max_replicas" if group.autoscaled else "num_replicas"
+                parts.append(f"{role}.{key} {count} x num_cpus {group.num_cpus:g}")
+        if need <= cluster_cpus + 1e-9:
+            return None
+        return (
+            f"at their most the replicas need {need:g} CPUs ({', '.join(parts)}) and the cluster has {cluster_cpus:g} now: "
+            "replicas beyond what it can place stay PENDING until nodes join"
+        )
+
     def has_prefill(self) -> bool:
         """Whether the app runs prefill engines (a prefill deployment)."""
         return self.prefill.initial_replicas > 0 or self.prefill.autoscaled

@@ -115,3 +115,23 @@ def test_a_redeploy_starts_the_new_router_replicas_before_it_stops_the_old():
     assert load_config({}).router.max_surge_percent == 100
     assert surges({}) == (100, {"prefill": 0, "decode": 0})
     assert surges({"router": {"max_surge_percent": 0}, "prefill": {"max_surge_percent": 100}}) == (0, {"prefill": 100, "decode": 0})
+
+
+def test_a_cluster_too_small_for_the_pools_at_their_most_is_named_at_start(caplog, monkeypatch):
+    """max_replicas beyond what the cluster's CPUs can place: a warning at start naming the keys
+    (replicas past it stay PENDING until nodes join), not an error: clusters grow."""
+    import ray
+
+    from serve_app.app import build_app
+
+    args = {"decode": {"num_cpus": 0.5, "autoscaling_config": {"min_replicas": 1, "max_replicas": 8}}}
+    config = load_config(args)
+    short = config.cpus_short_of(2.0)
+    assert short is not None and "decode.autoscaling_config.max_replicas 8 x num_cpus 0.5" in short and "prefill.num_replicas 1" in short
+    assert "need 4.6 CPUs" in short  # 0.5 prefill + 8 x 0.5 decode + 0.1 router
+    assert config.cpus_short_of(4.6) is None and load_config({}).cpus_short_of(2.0) is None
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    with caplog.at_level("WARNING", logger="pd_serve.app"):
+        build_app(args)
+    assert any("decode.autoscaling_config.max_replicas 8" in r.getMessage() for r in caplog.records)
