@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.support.cluster import LogWatch, completion_ids, deployed, inspect, sse_chunks, token_pattern, wait_idle
+from tests.support.cluster import LogWatch, completion_ids, deployed, inspect, metric_lines, sse_chunks, token_pattern, wait_idle
 
 pytestmark = pytest.mark.engine
 
@@ -34,16 +34,19 @@ AUTOSCALED = {
             "max_replicas": 2,
             "initial_replicas": 1,
             "upscale_delay_s": 0,
-            # Long enough for the two long streams below to start after the load ends, short
-            # enough that the pool shrinks while they stream (about 13 s each).
+            # Long enough for the long streams below to start after the load ends, short enough
+            # that the pool shrinks while they stream.
             "downscale_delay_s": 8,
             "look_back_period_s": 1,
             "metrics_interval_s": 0.25,
-            # 2 requests per decode engine: 4 concurrent streams ask for 2 engines, 2 for one.
-            "policy": {"policy_function": "serve_app.config.autoscaling:DecodeLoadPolicy", "policy_kwargs": {"target_requests": 2}},
+            # 8 requests per decode engine: the load's 16 concurrent streams ask for 2 engines,
+            # the 8 long streams for one.
+            "policy": {"policy_function": "serve_app.config.autoscaling:DecodeLoadPolicy", "policy_kwargs": {"target_requests": 8}},
         },
     },
-    "router": {"mode": "disaggregated", "num_cpus": 0.1, "max_attempts": 3, "timeouts": TIMEOUTS},
+    # By load: the long streams below alternate between the two engines (by prefix, those the
+    # first engine already served would stay on it up to the imbalance bound).
+    "router": {"mode": "disaggregated", "num_cpus": 0.1, "max_attempts": 3, "balancer": "load", "timeouts": TIMEOUTS},
 }
 
 
@@ -103,18 +106,30 @@ def scale_up(app) -> tuple[float, str]:
     return joined_after, new
 
 
-def test_the_decode_pool_scales_with_its_load_and_a_stopped_replica_hands_its_streams_over(cluster, baseline_app):
-    # Two streams of the same prompt (about 15 s each here): each is the other's reference for the
-    # part past what the baseline app (max_model_len 2048) can generate.
-    prompt = token_pattern(40, seed=900)
-    long_prompts = [prompt, prompt]
+def drain_migrations(cluster, app_name: str) -> float:
+    """pd_migrations_total{cause="drain"} of this app, on Ray's Prometheus endpoint."""
+    lines = metric_lines(cluster.metrics_port)
+    wanted = ('cause="drain"', f'application="{app_name}"')
+    mine = [line for line in lines if line.startswith("ray_pd_migrations_total{") and all(w in line for w in wanted)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in mine)
+
+
+def test_the_decode_pool_scales_with_its_load_and_a_stopped_replica_hands_its_streams_over(cluster):
+    """(a) the pool grows to 2 under load and back to 1; (b) the replica Serve stops has at least
+    4 streams on it, and all of them complete token for token on the other one, counted as
+    drain migrations."""
+    prompts = [token_pattern(40, seed=900 + i) for i in range(8)]
     budget = 4000
-    (_, head) = completion_ids(baseline_app, prompt, max_tokens=2000)
     with deployed(cluster, "pools", AUTOSCALED) as app:
         assert running_replicas(app.name, "decode") == 1 and list(decode_members(app)) == ["decode-0"]
+        # The reference: the long streams on the one engine, nothing moving (8 requests are the
+        # policy's target for one engine: no scale-up).
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            reference = [tokens for _, tokens, _ in pool.map(lambda p: stream_tokens(app, p, budget), prompts)]
+        assert running_replicas(app.name, "decode") == 1
 
-        # 1. Load: 8 concurrent streams keep the pool's running requests well above the policy's
-        #    target of 2 per engine, until the pool has a second engine and it has served requests.
+        # 1. Load: 16 concurrent streams keep the pool's running requests well above the policy's
+        #    target of 8 per engine, until the pool has a second engine and it has served requests.
         stop = threading.Event()
 
         def load(i: int) -> None:
@@ -123,8 +138,8 @@ def test_the_decode_pool_scales_with_its_load_and_a_stopped_replica_hands_its_st
                 stream_tokens(app, token_pattern(32, seed=1000 * i + n), 400)
                 n += 1
 
-        with ThreadPoolExecutor(8) as pool:
-            loaders = [pool.submit(load, i) for i in range(8)]
+        with ThreadPoolExecutor(16) as pool:
+            loaders = [pool.submit(load, i) for i in range(16)]
             try:
                 joined_after, new = scale_up(app)
             finally:
@@ -134,33 +149,38 @@ def test_the_decode_pool_scales_with_its_load_and_a_stopped_replica_hands_its_st
         print(f"a joining decode replica was healthy in the router {joined_after:.2f}s after Serve said RUNNING")
         assert new in decode_members(app)
 
-        # 2. Two long streams, one on each engine: the load falls to one engine's worth and
-        #    Serve stops one replica while both stream. Its stream moves to the other engine,
-        #    token for token; the client sees one response.
+        # 2. The 8 long streams, 4 on each engine: the load falls to one engine's worth and Serve
+        #    stops one replica while they stream. Its streams move to the other engine, token for
+        #    token; each client sees one response.
+        moved_before = drain_migrations(cluster, app.name)
         watch = LogWatch()
-        started = [threading.Event() for _ in long_prompts]
-        with ThreadPoolExecutor(2) as pool:
+        started = [threading.Event() for _ in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
             streams = []
-            for prompt, event in zip(long_prompts, started):
+            for prompt, event in zip(prompts, started):
                 streams.append(pool.submit(stream_tokens, app, prompt, budget, event))
                 event.wait(60)
 
-            def one_each() -> bool:
+            def four_each() -> bool:
                 members = decode_members(app)
-                return len(members) == 2 and all(e["router_inflight"] == 1 for e in members.values())
+                return len(members) == 2 and all(e["router_inflight"] == 4 for e in members.values())
 
             try:
-                wait_for("one long stream on each decode engine", one_each, 10, 0.2)
+                wait_for("four long streams on each decode engine", four_each, 10, 0.2)
             except TimeoutError:
                 view = {n: (e["router_inflight"], e["router_reserved_tokens"], e["draining"]) for n, e in app.snapshot()["engines"].items()}
-                raise AssertionError(f"the long streams are not one per engine: {view}") from None
+                raise AssertionError(f"the long streams are not four per engine: {view}") from None
             wait_for("Serve stops one decode replica", lambda: running_replicas(app.name, "decode") == 1, timeout_s=120, interval_s=0.1)
             results = [s.result(timeout=600) for s in streams]
-        for ids, tokens, finish in results:
+        for (ids, tokens, finish), want in zip(results, reference):
             assert len(ids) == 1 and finish == "length" and len(tokens) == budget
-            assert tokens[:2000] == head
-        assert results[0][1] == results[1][1]
-        assert "moves off" in watch.new_text(), "no stream moved off the stopped replica"
+            assert tokens == want
+        moves = {line.split("request ", 1)[1].split(" ", 1)[0] for line in watch.new_text().splitlines() if "moves off" in line}
+        assert len(moves) >= 4, f"streams that moved off the stopped replica: {sorted(moves)}"
+        deadline = time.monotonic() + 60
+        while drain_migrations(cluster, app.name) - moved_before < len(moves):
+            assert time.monotonic() < deadline, f"pd_migrations_total{{cause=drain}} did not count the {len(moves)} moves"
+            time.sleep(2)
         assert len(decode_members(app)) == 1
         wait_idle(app)
 

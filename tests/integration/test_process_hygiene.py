@@ -77,6 +77,8 @@ def test_a_busy_kv_port_is_replaced_by_a_free_one(cluster):
     with every KVReady, and disaggregated requests work."""
     import socket
 
+    from serve_app.config.backends import KV_PORT_STRIDE, kv_port_offset
+    from serve_app.config.settings import load_config
     from tests.support.cluster import LogWatch, completion_ids, deployed, token_pattern, wait_idle
 
     holder = socket.socket()
@@ -89,8 +91,10 @@ def test_a_busy_kv_port_is_replaced_by_a_free_one(cluster):
         "prefill": {"num_replicas": 1, "num_cpus": 0.1},
         "decode": {"num_replicas": 1, "num_cpus": 0.1},
         "router": {"mode": "disaggregated", "num_cpus": 0.05},
-        "kv_port_base": busy - 16,  # prefill-0 gets busy - 16, decode-0 the busy port
     }
+    # decode-0 gets the busy port (its block comes after room for the prefill pool and a rolling
+    # update's replacements), prefill-0 below it.
+    args["kv_port_base"] = busy - KV_PORT_STRIDE * kv_port_offset(load_config(args), "decode")
     try:
         with deployed(cluster, "busyport", args) as app:
             endpoint = app.snapshot()["engines"]["decode-0"]["kv_endpoint"]

@@ -36,8 +36,9 @@ SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
 # meanwhile is the likeliest cause (the log did not show the constructor's error; ``deploy`` now
 # prints it).
 _TEST_PORTS = late_bound_ports()
-# Room for an app's KV side channels: four engines (test_cdcp's), KV_PORT_STRIDE ports each.
-KV_PORT_BLOCK = 4 * KV_PORT_STRIDE
+# Room for an app's KV side channels, KV_PORT_STRIDE ports each: eight engine indices, which hold
+# test_cdcp's 2 prefill + 2 decode engines (decode's indices start after twice the prefill pool).
+KV_PORT_BLOCK = 8 * KV_PORT_STRIDE
 _handed_out: set[int] = set()
 
 
