@@ -114,16 +114,20 @@ def drain_migrations(cluster, app_name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in mine)
 
 
-def test_the_decode_pool_scales_with_its_load_and_a_stopped_replica_hands_its_streams_over(cluster):
-    """(a) the pool grows to 2 under load and back to 1; (b) the replica Serve stops has at least
-    4 streams on it, and all of them complete token for token on the other one, counted as
-    drain migrations."""
+def test_the_decode_pool_scales_with_its_load_and_a_stopped_replica_hands_its_streams_over(cluster, baseline_app):
+    """(a) the pool grows to 2 under load and back to 1, every output equal to the colocated
+    reference; (b) the replica Serve stops has at least 4 streams on it, and all of them complete
+    token for token on the other one, counted as drain migrations."""
     prompts = [token_pattern(40, seed=900 + i) for i in range(8)]
     budget = 4000
+    load_prompts = [token_pattern(32, seed=1000 + i) for i in range(16)]  # one per client, repeated
+    with ThreadPoolExecutor(8) as pool:  # the colocated reference (its max_model_len: 2048)
+        load_reference = list(pool.map(lambda p: completion_ids(baseline_app, p, max_tokens=400)[1], load_prompts))
+        heads = list(pool.map(lambda p: completion_ids(baseline_app, p, max_tokens=2000)[1], prompts))
     with deployed(cluster, "pools", AUTOSCALED) as app:
         assert running_replicas(app.name, "decode") == 1 and list(decode_members(app)) == ["decode-0"]
-        # The reference: the long streams on the one engine, nothing moving (8 requests are the
-        # policy's target for one engine: no scale-up).
+        # The reference past the colocated app's 2,000 tokens: the long streams on the one
+        # engine, nothing moving (8 requests are the policy's target for one engine: no scale-up).
         with ThreadPoolExecutor(len(prompts)) as pool:
             reference = [tokens for _, tokens, _ in pool.map(lambda p: stream_tokens(app, p, budget), prompts)]
         assert running_replicas(app.name, "decode") == 1
@@ -132,22 +136,25 @@ def test_the_decode_pool_scales_with_its_load_and_a_stopped_replica_hands_its_st
         #    target of 8 per engine, until the pool has a second engine and it has served requests.
         stop = threading.Event()
 
-        def load(i: int) -> None:
-            n = 0
+        def load(i: int) -> list[tuple[set[str], list[int], str | None]]:
+            outputs = []
             while not stop.is_set():
-                stream_tokens(app, token_pattern(32, seed=1000 * i + n), 400)
-                n += 1
+                outputs.append(stream_tokens(app, load_prompts[i], 400))
+            return outputs
 
-        with ThreadPoolExecutor(16) as pool:
-            loaders = [pool.submit(load, i) for i in range(16)]
+        with ThreadPoolExecutor(len(load_prompts)) as pool:
+            loaders = [pool.submit(load, i) for i in range(len(load_prompts))]
             try:
                 joined_after, new = scale_up(app)
             finally:
                 stop.set()
-            for loader in loaders:
-                loader.result()
+            load_outputs = [loader.result() for loader in loaders]
         print(f"a joining decode replica was healthy in the router {joined_after:.2f}s after Serve said RUNNING")
         assert new in decode_members(app)
+        for want, outputs in zip(load_reference, load_outputs):
+            for ids, tokens, finish in outputs:
+                assert len(ids) == 1 and finish == "length" and tokens == want
+        print(f"{sum(map(len, load_outputs))} requests of the load, each equal to the colocated reference")
 
         # 2. The 8 long streams, 4 on each engine: the load falls to one engine's worth and Serve
         #    stops one replica while they stream. Its streams move to the other engine, token for
@@ -172,9 +179,9 @@ def test_the_decode_pool_scales_with_its_load_and_a_stopped_replica_hands_its_st
                 raise AssertionError(f"the long streams are not four per engine: {view}") from None
             wait_for("Serve stops one decode replica", lambda: running_replicas(app.name, "decode") == 1, timeout_s=120, interval_s=0.1)
             results = [s.result(timeout=600) for s in streams]
-        for (ids, tokens, finish), want in zip(results, reference):
+        for (ids, tokens, finish), want, head in zip(results, reference, heads):
             assert len(ids) == 1 and finish == "length" and len(tokens) == budget
-            assert tokens == want
+            assert tokens == want and tokens[:2000] == head
         moves = {line.split("request ", 1)[1].split(" ", 1)[0] for line in watch.new_text().splitlines() if "moves off" in line}
         assert len(moves) >= 4, f"streams that moved off the stopped replica: {sorted(moves)}"
         deadline = time.monotonic() + 60
