@@ -49,8 +49,9 @@ import yaml
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-from bench_goodput import Outcome, Request, one_request, percentile  # noqa: E402
-from bench_serving import REPO_ROOT, VENV_BIN, base_env, started  # noqa: E402
+from bench_goodput import Outcome, Request, percentile  # noqa: E402
+from bench_goodput import drive as goodput_drive  # noqa: E402
+from bench_serving import REPO_ROOT, VENV_BIN, base_env, pd_engines, started  # noqa: E402
 
 from serve_app.runtime.ports import free_port  # noqa: E402
 
@@ -170,10 +171,8 @@ def downscale_delay_s(config: dict[str, Any]) -> float:
 
 def engine_counts(port: int) -> dict[str, int]:
     """Engines of each role the router can choose now (joined, not leaving)."""
-    response = requests.get(f"http://127.0.0.1:{port}/pd/engines", headers={"authorization": f"Bearer {OPERATOR_TOKEN}"}, timeout=5)
-    response.raise_for_status()
     counts: dict[str, int] = {}
-    for e in response.json()["engines"].values():
+    for e in pd_engines(port, OPERATOR_TOKEN, timeout_s=5).values():
         if not e.get("draining"):
             counts[e["role"]] = counts.get(e["role"], 0) + 1
     return counts
@@ -213,14 +212,10 @@ class Watcher(threading.Thread):
             self.timeline.append((time.perf_counter() - self.start_at, counts))
 
 
-async def drive(port: int, load: list[tuple[str, Request]], start: float) -> list[tuple[str, Outcome]]:
-    import aiohttp
-
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900), connector=aiohttp.TCPConnector(limit=0)) as session:
-        outcomes = await asyncio.gather(
-            *(one_request(session, url, r, start, model=SERVED_NAME, max_tokens=OUT, token_ids=True) for _, r in load)
-        )
+def drive(port: int, load: list[tuple[str, Request]], start: float) -> list[tuple[str, Outcome]]:
+    outcomes, _ = asyncio.run(
+        goodput_drive(port, [r for _, r in load], start=start, timeout_s=900, model=SERVED_NAME, max_tokens=OUT, token_ids=True)
+    )
     return [(name, o) for (name, _), o in zip(load, outcomes)]
 
 
@@ -234,13 +229,13 @@ def run_target(target: str, phases: tuple[Phase, ...], workdir: Path) -> dict[st
         [str(VENV_BIN / "serve"), "run", str(path)], base_env(), workdir / f"{target}.log", f"http://127.0.0.1:{port}/health", REPO_ROOT
     ):
         warm = [("warm", Request(0.1 * i, [11 + i] * PROMPT, False)) for i in range(4)]  # cold paths; not recorded
-        asyncio.run(drive(port, warm, time.perf_counter()))
+        drive(port, warm, time.perf_counter())
         total_s = sum(p.duration_s for p in phases)
         # After the load: the pools' way back down is part of what is measured.
         tail_s = downscale_delay_s(config) + 30
         watcher = Watcher(port)
         watcher.start()
-        results = asyncio.run(drive(port, step_load(phases), watcher.start_at))
+        results = drive(port, step_load(phases), watcher.start_at)
         while time.perf_counter() - watcher.start_at < total_s + tail_s and engine_counts(port).get("decode", 0) > 1:
             time.sleep(POLL_S)
         watcher.stop.set()
@@ -258,6 +253,15 @@ def run_target(target: str, phases: tuple[Phase, ...], workdir: Path) -> dict[st
 
 
 # ---------------------------------------------------------------------------- report
+def verdict(results: dict[str, dict[str, Any]], phases: tuple[Phase, ...]) -> tuple[int, int | None]:
+    """(requests lost in every app, autoscaled outputs missing or unequal to the static app's;
+    None: not both ran)."""
+    lost = sum(r[p.name]["lost"] for r in results.values() for p in phases)
+    if not {"static", "autoscaled"} <= set(results):
+        return lost, None
+    return lost, sum(1 for a, b in zip(results["autoscaled"]["token_ids"], results["static"]["token_ids"]) if not a or a != b)
+
+
 def seconds(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f} s"
 
@@ -288,11 +292,10 @@ def report(results: dict[str, dict[str, Any]], phases: tuple[Phase, ...]) -> str
                 f"the second RUNNING at {seconds(s['running_after_s'])}, in the router's pool at {seconds(s['up_after_s'])}; "
                 f"back to one {seconds(s['down_after_s'])} after the high phase ended"
             )
-    if {"static", "autoscaled"} <= set(results):
-        ours, ref = results["autoscaled"]["token_ids"], results["static"]["token_ids"]
-        same = sum(1 for a, b in zip(ours, ref) if a and a == b)
-        lines.append(f"autoscaled outputs equal to the static app's, token for token: {same}/{len(ref)}")
-    lost = sum(r[p.name]["lost"] for r in results.values() for p in phases)
+    lost, differ = verdict(results, phases)
+    if differ is not None:
+        total = len(results["static"]["token_ids"])
+        lines.append(f"autoscaled outputs equal to the static app's, token for token: {total - differ}/{total}")
     lines.append(f"requests lost: {lost} (must be 0)")
     return "\n".join(lines)
 
@@ -312,10 +315,7 @@ def main(argv: list[str]) -> int:
     print(table)
     if args.out:
         args.out.write_text(json.dumps({"results": results, "table": table}, indent=2, default=str))
-    lost = sum(r[p.name]["lost"] for r in results.values() for p in phases)
-    differ = 0
-    if {"static", "autoscaled"} <= set(results):
-        differ = sum(1 for a, b in zip(results["autoscaled"]["token_ids"], results["static"]["token_ids"]) if a != b)
+    lost, differ = verdict(results, phases)
     return 1 if lost or differ else 0
 
 

@@ -205,14 +205,18 @@ async def one_request(
     return outcome
 
 
-async def drive(port: int, requests: list[Request]) -> tuple[list[Outcome], float]:
+async def drive(
+    port: int, requests: list[Request], start: float | None = None, timeout_s: float = 600, **options: Any
+) -> tuple[list[Outcome], float]:
+    """Every request at its arrival time from ``start`` (default: now); ``options`` go to
+    ``one_request``. (outcomes in order, seconds from ``start`` to the last one's end)"""
     import aiohttp
 
     url = f"http://127.0.0.1:{port}/v1/completions"
-    timeout = aiohttp.ClientTimeout(total=600)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        start = time.perf_counter()
-        outcomes = await asyncio.gather(*(one_request(session, url, r, start) for r in requests))
+        start = time.perf_counter() if start is None else start
+        outcomes = await asyncio.gather(*(one_request(session, url, r, start, **options) for r in requests))
         return list(outcomes), time.perf_counter() - start
 
 

@@ -39,12 +39,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import requests
 import yaml
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, started  # noqa: E402
+from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, pd_engines, started  # noqa: E402
 
 from serve_app.runtime.ports import free_port  # noqa: E402
 
@@ -71,14 +70,6 @@ def app_config(policy: str, port: int) -> dict[str, Any]:
     return config
 
 
-def engines(port: int) -> dict[str, dict[str, Any]]:
-    response = requests.get(
-        f"http://127.0.0.1:{port}/pd/engines", headers={"authorization": f"Bearer {OPERATOR_TOKEN}"}, timeout=30
-    )
-    response.raise_for_status()
-    return response.json()["engines"]
-
-
 def engine_counts(port: int) -> dict[str, dict[str, Any]]:
     return {
         name: {
@@ -87,7 +78,7 @@ def engine_counts(port: int) -> dict[str, dict[str, Any]]:
             "hits": e["prefix_hit_tokens_total"] or 0,
             "pushed": e["kv_bytes_pushed_total"] or 0,
         }
-        for name, e in engines(port).items()
+        for name, e in pd_engines(port, OPERATOR_TOKEN).items()
     }
 
 
@@ -230,7 +221,7 @@ def run_policy(policy: str, workload: str, quick: bool, workdir: Path) -> dict[s
     with started([str(VENV_BIN / "serve"), "run", str(path)], base_env(), workdir / f"{policy}-{workload}.log",
                  f"http://127.0.0.1:{port}/health", REPO_ROOT):  # fmt: skip
         deadline = time.monotonic() + 300
-        while not all(e["healthy"] for e in engines(port).values()):
+        while not all(e["healthy"] for e in pd_engines(port, OPERATOR_TOKEN).values()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{policy}: engines not healthy")
             time.sleep(1)

@@ -269,6 +269,13 @@ def serve_command(target: str, port: int, workdir: Path) -> list[str]:
     return [str(VENV_BIN / "serve"), "run", str(path)]
 
 
+def pd_engines(port: int, operator_token: str, timeout_s: float = 30) -> dict[str, dict[str, Any]]:
+    """The router's ``/pd/engines``, in full (the operator's view: the app must set ``router.operator_token``)."""
+    response = requests.get(f"http://127.0.0.1:{port}/pd/engines", headers={"authorization": f"Bearer {operator_token}"}, timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()["engines"]
+
+
 # ---------------------------------------------------------------------------- the client
 def bench(port: int, workload: Workload, tokenizer: str, served_name: str) -> dict[str, Any]:
     from vllm.benchmarks.serve import add_cli_args, main_async

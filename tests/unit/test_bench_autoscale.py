@@ -94,3 +94,13 @@ def test_the_shipped_configs_pass_pd_serves_validation_and_only_the_autoscaled_o
                 assert group.autoscaling_config["max_replicas"] == 2
             else:
                 assert group.initial_replicas == 1 and group.autoscaling_config is None
+
+
+def test_the_verdict_counts_lost_requests_and_outputs_missing_or_unequal(bench):
+    phases = (bench.Phase("low", 1.0, 1.0),)
+    results = {
+        "static": {"low": {"lost": 1}, "token_ids": [[1, 2], [], [5]]},
+        "autoscaled": {"low": {"lost": 0}, "token_ids": [[1, 2], [], [6]]},
+    }
+    assert bench.verdict(results, phases) == (1, 2)  # the empty pair (a lost request) and [6] != [5]
+    assert bench.verdict({"static": results["static"]}, phases) == (1, None)
