@@ -59,7 +59,7 @@ import yaml
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, started, vllm_server_command  # noqa: E402
+from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, set_arg, started, vllm_server_command  # noqa: E402
 
 from serve_app.runtime.ports import free_port  # noqa: E402
 
@@ -76,6 +76,7 @@ ATTAINMENT = 0.9
 DEFAULT_RATES = (4.0, 8.0, 12.0, 16.0, 20.0)
 DEFAULT_CHUNK = 512
 TARGETS = ("vllm", "colocated", "disaggregated")
+OVERRIDES: dict[str, Any] = {}  # --set KEY=JSON: app args of the pd-serve targets (dotted keys nest)
 VOCAB_LOW, VOCAB_HIGH = 10, 1000  # ordinary tokens of the recipe's tokenizer (no special ids)
 
 
@@ -241,6 +242,8 @@ def app_args(target: str, chunk: int) -> dict[str, Any]:
         # The prefill engine takes a whole long prompt in one step: no decode runs there to protect.
         args["prefill"] = {**args["prefill"], "cpu_bind": ["0"], "engine_kwargs": {"max_num_batched_tokens": MAX_MODEL_LEN}}
         args["decode"] = {**args["decode"], "cpu_bind": ["1"], "engine_kwargs": step}
+    for key, value in OVERRIDES.items():
+        set_arg(args, key, value)
     return args
 
 
@@ -390,11 +393,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="max_num_batched_tokens of every engine that decodes")
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--quick", action="store_true", help="two rates, few requests (a smoke run)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override an app arg of the pd-serve targets (e.g. stream_items_per_s=0)",
+    )
     parser.add_argument("--out", type=Path, help="write every number as JSON here too")
     parser.add_argument("--plot", type=Path, help="draw goodput and ITL p99 against rate into this PNG")
     args = parser.parse_args(argv)
     rates = [1.0, 3.0] if args.quick else [float(r) for r in args.rates.split(",")]
     count = 12 if args.quick else args.requests
+    for item in args.set:
+        key, _, value = item.partition("=")
+        OVERRIDES[key] = json.loads(value)
     ensure_model()
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="pdgoodput-") as tmp:

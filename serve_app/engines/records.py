@@ -66,6 +66,6 @@ def push_timeline(transfer_id: str, record: dict[str, Any], since: float) -> str
     layers = " ".join(ms(at) for at in record.get("push_times") or [])
     return (
         f"transfer {transfer_id}: {record.get('layers_pushed', 0)} layers, {record.get('bytes_pushed', 0)} bytes; "
-        f"layers sent at [{layers}] ms, forward done {ms(record.get('forward_done_at'))} ms, "
-        f"acknowledged {ms(record.get('acked_at'))} ms after the call arrived"
+        f"layers sent at [{layers}] ms, done sent {ms(record.get('done_sent_at'))} ms, forward done "
+        f"{ms(record.get('forward_done_at'))} ms, acknowledged {ms(record.get('acked_at'))} ms after the call arrived"
     )

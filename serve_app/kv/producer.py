@@ -2,9 +2,15 @@
 
 During the forward, right after each attention layer wrote this step's KV (``save_kv_layer``),
 the layer's blocks that the decode engine lacks are sent to it: one frame per layer and request,
-carrying the transfer's secret. After the prompt's last chunk a ``done`` frame says how many
-layer frames were sent; a push that broke sends ``failed`` instead (when decode is reachable at
-all), and either way the transfer's record says so, which is how ``Prefill.run`` learns of it.
+carrying the transfer's secret. In the prompt's last chunk, a ``done`` frame that says how many
+layer frames were sent follows the last layer's frame at once: the rest of the forward (the last
+layer's MLP, the final norm, the logits, the sampled token that nobody reads) writes no KV, and
+the decode engine, which computes its own first token, need not wait for it (on a 2,048-token
+prompt of the medium benchmark model that tail is about a tenth of the prefill). A transfer that
+did not see every layer in its last step (a model whose attention layers are not all ones with
+a cache of their own) gets its done frame after the forward instead. A push that broke sends
+``failed`` (when decode is reachable at all), and either way the transfer's record says so,
+which is how ``Prefill.run`` learns of it.
 
 A push counts as done only once decode acknowledged its done frame (an ``ack`` frame back on the
 same connection, wire version 2): ``sendall`` returning only means the bytes are in this host's
@@ -173,6 +179,8 @@ class ProducerWorker:
         self._broken: dict[str, str] = {}  # transfer -> why it cannot continue
         self._records: dict[str, dict[str, Any]] = {}
         self._finished_records: dict[str, dict[str, Any]] = {}
+        self._step_layers: dict[str, set[str]] = {}  # transfer -> layers pushed in this step
+        self._done_sent: dict[str, Link] = {}  # transfer -> where its done frame went, this step
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv.register(kv_caches, self.s.block_size)
@@ -211,6 +219,21 @@ class ProducerWorker:
             record["push_times"].append(now)
             record.setdefault("first_layer_sent_at", now)
             record["last_layer_sent_at"] = now
+            pushed = self._step_layers.setdefault(tid, set())
+            pushed.add(layer)
+            if spec.last_chunk and len(pushed) == len(self.kv.layers):
+                self._send_done(spec)
+
+    def _send_done(self, spec: SendSpec) -> None:
+        """The done frame of a transfer whose every layer is sent, now, not after the forward."""
+        tid = spec.transfer_id
+        parts = encode_frame(KIND_DONE, self.compat, {"transfer": tid, "secret": spec.secret, "frames": self._frames.get(tid, 0)})
+        try:
+            self._done_sent[tid] = self.sender.send(spec.host, spec.port, parts)
+        except Exception as exc:  # never fail the forward: fail the transfer
+            self._broken[tid] = f"done signal failed: {exc!r}"
+            return
+        self._records[tid]["done_sent_at"] = time.time()
 
     def finish_step(self, meta: LayerwiseMetadata) -> None:
         """After the step's forward: account the step, and close transfers whose prompt is done
@@ -225,6 +248,9 @@ class ProducerWorker:
             record["steps"] = record.get("steps", 0) + 1
             if not (spec.last_chunk or spec.error or tid in self._broken):
                 continue
+            if tid in self._done_sent:
+                awaiting.append((tid, self._done_sent[tid]))
+                continue
             reason = spec.error or self._broken.get(tid)
             if reason:
                 parts = encode_frame(KIND_FAILED, self.compat, {"transfer": tid, "secret": spec.secret, "reason": reason})
@@ -238,6 +264,8 @@ class ProducerWorker:
                 self._finish(tid, reason)
             else:
                 awaiting.append((tid, link))
+        self._step_layers.clear()
+        self._done_sent.clear()
         deadline = time.monotonic() + self.s.ack_timeout_s
         for tid, link in awaiting:
             problem = link.wait_ack(tid, deadline)

@@ -463,9 +463,41 @@ def test_producer_pushes_layers_the_consumer_writes(producer, consumer):
     line = push_timeline("t-1", rec, since=rec["first_layer_sent_at"])
     sent_at = re.search(r"layers sent at \[(.*?)\] ms", line).group(1).split()
     assert len(sent_at) == 4 and sent_at[0] == "+0.0" and all(float(t) >= 0 for t in sent_at)
-    assert "4 layers" in line and "acknowledged +" in line
+    assert "4 layers" in line and "done sent +" in line and "acknowledged +" in line
     assert producer.take_records() == {}
     assert consumer.take_records()["t-1"]["frames_received"] == 4
+
+
+def test_the_done_frame_follows_the_last_layer_not_the_forward(producer, consumer):
+    """The decode engine can settle the transfer (and compute its first token) while the prefill
+    forward is still in its tail: no KV is written after the last attention layer."""
+    port = port_of(consumer)
+    arm(consumer, "d-req", "t-1", [2])
+    meta = LayerwiseMetadata(send=[send_spec(port, [1], [2], 4, last_chunk=True)])
+    for name in LAYERS:
+        producer.push_layer(meta, name, producer.kv.layers[name])
+    # finish_step (the end of the forward) has not run yet.
+    finished, failed = poll_until(consumer, "d-req")
+    assert finished == {"d-req"} and failed == set()
+    producer.finish_step(meta)
+    rec = producer.take_records()["t-1"]
+    assert rec["outcome"] == "done" and rec["last_layer_sent_at"] <= rec["done_sent_at"] <= rec["forward_done_at"] <= rec["acked_at"]
+    assert consumer.take_records()["t-1"]["frames_received"] == len(LAYERS)
+
+
+def test_a_step_without_every_layer_sends_done_after_the_forward(producer, consumer):
+    """No early done frame unless every layer went (decode then fails the missing layer)."""
+    port = port_of(consumer)
+    arm(consumer, "d-req", "t-1", [2])
+    meta = LayerwiseMetadata(send=[send_spec(port, [1], [2], 4, last_chunk=True)])
+    for name in LAYERS[:-1]:
+        producer.push_layer(meta, name, producer.kv.layers[name])
+    time.sleep(0.2)
+    consumer.on_step(LayerwiseMetadata())
+    assert consumer.results() == (set(), set())  # no done frame yet
+    producer.finish_step(meta)
+    rec = producer.take_records()["t-1"]
+    assert "done_sent_at" not in rec and rec["outcome"] == "failed" and "1 of 2 layers arrived" in rec["error"]
 
 
 def test_producer_unfinished_transfer_keeps_its_record(producer, consumer):
