@@ -5,7 +5,7 @@ Usage: ``.venv/bin/python scripts/bench_goodput.py [--rates 1,2,4,6] [--requests
 runs it; stop ``make run`` first: every target is started and stopped here, on free ports).
 
 The model is the ``medium`` recipe of ``scripts/make_tiny_model.py`` (built on demand, cached in
-``.cache/medium-llama``): a 2,048-token prefill takes about 200 ms on one core of the development
+``.cache/medium-llama``): a 2,048-token prefill takes about 130 ms on one core of the development
 machine, a decode step for a batch of 8 about 2 ms. With one engine, every long prompt's prefill
 stalls every running request's next token; with prefill and decode apart, decode keeps its pace.
 That is what this benchmark measures (DistServe's goodput; Splitwise and Mooncake make the same
@@ -316,11 +316,12 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
         lines.append("")
     if "vllm" in results and "disaggregated" in results:
         base, ours = results["vllm"]["rates"], results["disaggregated"]["rates"]
-        lines.append("Disaggregated against vLLM's server (goals: ITL p99 <= 0.5x, goodput >= 1.3x):")
+        lines.append("Disaggregated against vLLM's server (goals: ITL p99 <= 0.5x, goodput >= 1.3x; TPOT p90 for decode's pace):")
         for rate in rates:
             lines.append(
                 f"  rate {rate:>4.1f}: ITL p99 {ratio(ours[rate]['itl_p99_s'], base[rate]['itl_p99_s'])}, "
-                f"goodput {ratio(ours[rate]['goodput_rps'], base[rate]['goodput_rps'])}"
+                f"goodput {ratio(ours[rate]['goodput_rps'], base[rate]['goodput_rps'])}, "
+                f"TPOT p90 {ratio(ours[rate]['tpot_p90_s'], base[rate]['tpot_p90_s'])}"
             )
         best = {t: max_rate_meeting(results[t]["rates"]) for t in targets}
         lines.append(
@@ -343,21 +344,24 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
 
 
 def plot(results: dict[str, dict[str, Any]], rates: list[float], path: Path) -> None:
-    """Goodput and ITL p99 against rate, as DistServe draws them."""
+    """Goodput and ITL p99 against rate, as DistServe draws them, and TPOT p90 (decode's pace)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
     for t in (t for t in TARGETS if t in results):
         per = results[t]["rates"]
         left.plot(rates, [per[r]["goodput_rps"] for r in rates], marker="o", label=t)
-        right.plot(rates, [per[r]["itl_p99_s"] * 1000 for r in rates], marker="o", label=t)
+        middle.plot(rates, [per[r]["itl_p99_s"] * 1000 for r in rates], marker="o", label=t)
+        right.plot(rates, [per[r]["tpot_p90_s"] * 1000 for r in rates], marker="o", label=t)
     left.plot(rates, rates, linestyle=":", color="grey", label="offered")
     left.set(xlabel="request rate (req/s)", ylabel="goodput (req/s within both SLOs)", title="Goodput")
-    right.set(xlabel="request rate (req/s)", ylabel="ITL p99 (ms)", title="Inter-chunk latency p99", yscale="log")
-    for ax in (left, right):
+    middle.set(xlabel="request rate (req/s)", ylabel="ITL p99 (ms)", title="Inter-chunk latency p99", yscale="log")
+    right.axhline(TPOT_SLO_S * 1000, linestyle=":", color="grey", label="TPOT SLO")
+    right.set(xlabel="request rate (req/s)", ylabel="TPOT p90 (ms)", title="Time per output token p90")
+    for ax in (left, middle, right):
         ax.grid(alpha=0.3)
         ax.legend()
     mix = f"{LONG_SHARE:.0%} x {LONG_IN}-token prompts, {SHORT_IN} otherwise, {OUT} out"
