@@ -245,6 +245,15 @@ class PrefixRoutingConfig(_Strict):
 
 class RouterConfig(ScalingConfig):
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
+    local_prefill_max_tokens: int = Field(
+        0,
+        ge=0,
+        description=(
+            "disaggregated mode: an attempt whose prompt has at most this many tokens is prefilled by its decode "
+            "engine, as in colocated mode (a short prompt's prefill costs decode less than the hand-off to a "
+            "prefill engine costs the request); 0: every prompt goes to a prefill engine"
+        ),
+    )
     num_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(None, description="router replicas (default 1), or 'auto'")
     num_cpus: float = Field(0.1, ge=0)
     max_attempts: int = Field(4, ge=1, le=64, description="attempts per client request (recompute + faults)")

@@ -67,5 +67,6 @@ def push_timeline(transfer_id: str, record: dict[str, Any], since: float) -> str
     return (
         f"transfer {transfer_id}: {record.get('layers_pushed', 0)} layers, {record.get('bytes_pushed', 0)} bytes; "
         f"layers sent at [{layers}] ms, done sent {ms(record.get('done_sent_at'))} ms, forward done "
-        f"{ms(record.get('forward_done_at'))} ms, acknowledged {ms(record.get('acked_at'))} ms after the call arrived"
+        f"{ms(record.get('forward_done_at'))} ms, acknowledged {ms(record.get('acked_at'))} ms after the call arrived "
+        f"(at {since:.4f}, wall clock)"
     )

@@ -386,8 +386,11 @@ class RouterService:
             received_at=received_at,
         )
 
-    def _choose_disaggregated(self) -> bool:
+    def _choose_disaggregated(self, prompt_tokens: int) -> bool:
         if self.config.router.mode != "disaggregated":
+            return False
+        if prompt_tokens <= self.config.router.local_prefill_max_tokens:
+            self.metrics.fallback.inc(tags={"reason": "local_prefill"})
             return False
         if self.pool.has_healthy("prefill"):
             return True

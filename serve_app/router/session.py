@@ -31,7 +31,7 @@ class ResponseSession:
         request: ParsedRequest,
         *,
         executor: AttemptExecutor,
-        choose_disaggregated: Callable[[], bool],
+        choose_disaggregated: Callable[[int], bool],  # the attempt's prompt length -> disaggregated?
         tokenizer: Any,
         token_text: Callable[[int], str],
         max_attempts: int,
@@ -125,7 +125,7 @@ class ResponseSession:
         deadline = self._started + self.request_timeout_s
         try:
             while not machine.finished:
-                plan = machine.start_attempt(self.choose_disaggregated())
+                plan = machine.start_attempt(self.choose_disaggregated(machine.prompt_tokens + machine.completion_tokens))
                 logger.log(
                     attempt_log_level(plan.number),
                     "request %s attempt %d/%d id=%s %s prompt=%d budget=%d",

@@ -29,7 +29,7 @@ class RouterMetrics:
     recompute: Any  # pd_recompute_total
     attempts: Any  # pd_attempts_per_request
     wasted_tokens: Any  # pd_recompute_wasted_tokens_total
-    fallback: Any  # pd_fallback_total{reason}: disaggregated requests served colocated
+    fallback: Any  # pd_fallback_total{reason}: disaggregated attempts served colocated (no prefill engine, short prompt)
     router_inflight: Any  # pd_inflight{role="router",engine=<router>}
     request_time: Any  # pd_request_seconds{route}: arrival -> last byte handed to the client
     engine_wait: Any  # pd_engine_wait_seconds{route}: per request, time waiting on engines

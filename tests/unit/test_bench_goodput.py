@@ -91,5 +91,10 @@ def test_every_target_uses_every_core_and_the_same_step_budget(goodput):
     assert disaggregated["prefill"]["cpu_bind"] == ["0"] and disaggregated["decode"]["cpu_bind"] == ["1"]
     assert disaggregated["decode"]["engine_kwargs"]["max_num_batched_tokens"] == 256
     assert disaggregated["prefill"]["engine_kwargs"]["max_num_batched_tokens"] >= goodput.LONG_IN
-    for args in (colocated, disaggregated):
+    assert disaggregated["router"].get("local_prefill_max_tokens", 0) == 0  # every prompt goes to prefill
+    conditional = goodput.app_args("conditional", chunk=256)
+    assert conditional["router"]["local_prefill_max_tokens"] == goodput.LOCAL_PREFILL_MAX_TOKENS
+    assert goodput.SHORT_IN <= goodput.LOCAL_PREFILL_MAX_TOKENS < goodput.LONG_IN  # the long prompts still move
+    assert {k: v for k, v in conditional.items() if k != "router"} == {k: v for k, v in disaggregated.items() if k != "router"}
+    for args in (colocated, disaggregated, conditional):
         assert args["model"].endswith("medium-llama") and args["max_model_len"] >= goodput.LONG_IN + goodput.OUT

@@ -464,6 +464,7 @@ def test_producer_pushes_layers_the_consumer_writes(producer, consumer):
     sent_at = re.search(r"layers sent at \[(.*?)\] ms", line).group(1).split()
     assert len(sent_at) == 4 and sent_at[0] == "+0.0" and all(float(t) >= 0 for t in sent_at)
     assert "4 layers" in line and "done sent +" in line and "acknowledged +" in line
+    assert f"(at {rec['first_layer_sent_at']:.4f}, wall clock)" in line
     assert producer.take_records() == {}
     assert consumer.take_records()["t-1"]["frames_received"] == 4
 

@@ -66,6 +66,23 @@ def test_a_completion_through_every_hop(tiny_tokenizer, transport, mode):
     run(body, args(router={"mode": mode, "engine_transport": transport}), tiny_tokenizer)
 
 
+def test_a_short_prompt_is_prefilled_by_its_decode_engine(tiny_tokenizer):
+    """router.local_prefill_max_tokens: an attempt's prompt up to that long skips the prefill
+    engine (counted as pd_fallback_total{reason=local_prefill}); a longer one does not; the output
+    is the same either way."""
+    metrics = recording_router_metrics()
+
+    async def body(app: App) -> None:
+        short, long = PROMPT[:4], PROMPT + PROMPT
+        for prompt, prefilled in ((short, 0), (PROMPT, 0), (long, 1)):
+            status, data = await completion(app, prompt, max_tokens=6)
+            assert status == 200 and data["choices"][0]["token_ids"] == expected(prompt, 6)
+            assert len(app.engines["prefill-0"].runner.requests) == prefilled, prompt
+        assert metrics.fallback.values == {(("reason", "local_prefill"),): 2.0}
+
+    run(body, args(router={"local_prefill_max_tokens": len(PROMPT)}), tiny_tokenizer, metrics)
+
+
 def test_a_stream_writes_what_is_ready_together_in_one_message(tiny_tokenizer):
     """Each body message the router sends is a group of events ready together: the chat role
     delta with the first text, and the last text with the usage chunk and [DONE], which also
