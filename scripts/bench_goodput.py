@@ -324,9 +324,12 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
             )
         lines.append("")
     best = {t: max_rate_meeting(results[t]["rates"]) for t in targets}
-    for target in (t for t in DISAGGREGATED if t in results and "vllm" in results):
-        base, ours = results["vllm"]["rates"], results[target]["rates"]
-        lines.append(f"{target.capitalize()} against vLLM's server (goals: ITL p99 <= 0.5x, goodput >= 1.3x; TPOT p90 for decode's pace):")
+    pairs = [(t, "vllm", "vLLM's server (goals: ITL p99 <= 0.5x, goodput >= 1.3x; TPOT p90 for decode's pace)") for t in DISAGGREGATED]
+    # The same serving path with and without P/D: the effect of disaggregation alone.
+    pairs.append(("disaggregated", "colocated", "pd-serve colocated (the same serving path: what disaggregation alone changes)"))
+    for target, against, label in ((t, a, lab) for t, a, lab in pairs if t in results and a in results):
+        base, ours = results[against]["rates"], results[target]["rates"]
+        lines.append(f"{target.capitalize()} against {label}:")
         for rate in rates:
             lines.append(
                 f"  rate {rate:>4.1f}: ITL p99 {ratio(ours[rate]['itl_p99_s'], base[rate]['itl_p99_s'])}, "
@@ -419,7 +422,16 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--out", type=Path, help="write every number as JSON here too")
     parser.add_argument("--plot", type=Path, help="draw goodput and ITL p99 against rate into this PNG")
+    parser.add_argument("--report", type=Path, metavar="JSON", help="print the report of a run saved with --out (and plot it), run nothing")
     args = parser.parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        results = {t: {**r, "rates": {float(k): v for k, v in r["rates"].items()}} for t, r in saved["results"].items()}
+        rates = sorted(next(iter(results.values()))["rates"])
+        print(report(results, rates, saved["prefill_alone_s"]))
+        if args.plot:
+            plot(results, rates, args.plot)
+        return 0
     rates = [1.0, 3.0] if args.quick else [float(r) for r in args.rates.split(",")]
     count = 12 if args.quick else args.requests
     for item in args.set:

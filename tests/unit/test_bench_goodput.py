@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -98,3 +99,33 @@ def test_every_target_uses_every_core_and_the_same_step_budget(goodput):
     assert {k: v for k, v in conditional.items() if k != "router"} == {k: v for k, v in disaggregated.items() if k != "router"}
     for args in (colocated, disaggregated, conditional):
         assert args["model"].endswith("medium-llama") and args["max_model_len"] >= goodput.LONG_IN + goodput.OUT
+
+
+def test_a_saved_run_is_reported_again_with_every_ratio(goodput, tmp_path, capsys):
+    """--report: the table and ratios of a run saved with --out, from its numbers alone."""
+
+    def rate_summary(itl_ms: float, goodput_rps: float, tpot_ms: float) -> dict[str, float]:
+        return {
+            "requests": 10,
+            "failed": 0,
+            "ttft_p90_s": 0.2,
+            "itl_p99_s": itl_ms / 1000,
+            "tpot_p90_s": tpot_ms / 1000,
+            "short_ttft_p90_s": 0.1,
+            "tokens_per_s": 100.0,
+            "attainment": 1.0,
+            "goodput_rps": goodput_rps,
+        }
+
+    host = [{"wakeup_us": 40.0, "loop_ms": 30.0}] * 2
+    figures = {"vllm": (40, 4.0, 8), "colocated": (80, 2.0, 10), "disaggregated": (20, 6.0, 4)}
+    saved = {
+        "results": {t: {"host_speed": host, "rates": {"4.0": rate_summary(*f)}} for t, f in figures.items()},
+        "prefill_alone_s": 0.1,
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(saved))
+    assert goodput.main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Disaggregated against vLLM's server" in out and "rate  4.0: ITL p99 0.50x, goodput 1.50x, TPOT p90 0.50x" in out
+    assert "Disaggregated against pd-serve colocated" in out and "rate  4.0: ITL p99 0.25x, goodput 3.00x, TPOT p90 0.40x" in out
