@@ -62,7 +62,7 @@ import yaml
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, set_arg, started, vllm_server_command  # noqa: E402
+from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, parse_sets, set_arg, started, vllm_server_command  # noqa: E402
 
 from serve_app.runtime.ports import free_port  # noqa: E402
 
@@ -434,9 +434,7 @@ def main(argv: list[str]) -> int:
         return 0
     rates = [1.0, 3.0] if args.quick else [float(r) for r in args.rates.split(",")]
     count = 12 if args.quick else args.requests
-    for item in args.set:
-        key, _, value = item.partition("=")
-        OVERRIDES[key] = json.loads(value)
+    OVERRIDES.update(parse_sets(args.set))
     ensure_model()
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="pdgoodput-") as tmp:

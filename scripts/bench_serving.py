@@ -221,6 +221,15 @@ def app_args(target: str) -> dict[str, Any]:
     return args
 
 
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=JSON`` options as {dotted key: value}."""
+    overrides = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value)
+    return overrides
+
+
 def set_arg(args: dict[str, Any], dotted: str, value: Any) -> None:
     """Set one app arg; a dotted key (``decode.env.NAME``) changes only that field of the nested
     dicts, so overriding one setting of a group keeps the group's others (and the target's own,
@@ -618,9 +627,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(measured))
         return 0
     workloads = QUICK if args.quick else WORKLOADS
-    for item in args.set:
-        key, _, value = item.partition("=")
-        OVERRIDES[key] = json.loads(value)
+    OVERRIDES.update(parse_sets(args.set))
     rounds: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="pdbench-") as tmp:
         workdir = Path(tmp)
