@@ -35,9 +35,11 @@ long prompt's prefill on one core, DistServe's headroom for queueing) and TPOT a
 number of requests that met both, per second of the run; the table also gives DistServe's
 summary, the highest rate at which at least ``ATTAINMENT`` of the requests met both.
 
-Also, once per pd-serve start: a long prompt alone, its TTFT on the disaggregated target against
-the prefill engine's own prefill time (the prefill engine reports it per transfer; with the push
-overlapped with the forward, TTFT should be barely more).
+Also, ``ALONE`` long prompts one at a time: their TTFT on the disaggregated target against the
+prefill engine's own prefill time, measured as vLLM's server on the prefill engine's core with its
+arguments, started right before the disaggregated target so that both see the host in the same
+state (its speed drifts over a run). With the push overlapped with the forward, TTFT should be
+barely more.
 
 Every figure compares targets within one run on one machine; they are not claims about others.
 """
@@ -83,6 +85,7 @@ DISAGGREGATED = ("disaggregated", "conditional")
 # The conditional target's local prefill bound, fixed before any run: a prompt whose prefill on
 # the decode engine's core (about 16 ms for 256 tokens) fits in one TPOT SLO's budget.
 LOCAL_PREFILL_MAX_TOKENS = 256
+ALONE = 8  # long prompts one at a time, per measurement of a prompt alone
 OVERRIDES: dict[str, Any] = {}  # --set KEY=JSON: app args of the pd-serve targets (dotted keys nest)
 VOCAB_LOW, VOCAB_HIGH = 10, 1000  # ordinary tokens of the recipe's tokenizer (no special ids)
 
@@ -283,8 +286,7 @@ def run_target(target: str, rates: list[float], count: int, chunk: int, workdir:
     with started(cmd, env, workdir / f"{target}.log", f"http://127.0.0.1:{port}/health", REPO_ROOT):
         warm = workload(2.0, 6, seed=99)  # not recorded: cold paths and kernels for new shapes
         asyncio.run(drive(port, warm))
-        alone = [Request(0.0, r.prompt, True) for r in workload(1.0, 40, seed=7) if r.long][:3]
-        result["long_alone_ttft_s"] = [asyncio.run(drive(port, [r]))[0][0].ttft_s for r in alone]
+        result["long_alone_ttft_s"] = [asyncio.run(drive(port, [r]))[0][0].ttft_s for r in long_prompts_alone()]
         for rate in rates:
             requests = workload(rate, count, seed=int(rate * 1000))
             outcomes, wall = asyncio.run(drive(port, requests))
@@ -305,7 +307,13 @@ def ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs and not math.isnan(theirs) and not math.isnan(ours) else "n/a"
 
 
-def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone_s: float | None) -> str:
+def timing(values: list[float]) -> str:
+    """A few timings' median, and their range (how far apart the host put them), in ms."""
+    median = f"{statistics.median(values) * 1000:.0f} ms"
+    return f"{median} ({min(values) * 1000:.0f}-{max(values) * 1000:.0f} ms)" if len(values) > 1 else median
+
+
+def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone_s: list[float]) -> str:
     targets = [t for t in TARGETS if t in results]
     lines = [
         f"SLOs: TTFT <= {TTFT_SLO_S * 1000:.0f} ms and TPOT <= {TPOT_SLO_S * 1000:.0f} ms; workload {LONG_SHARE:.0%} x {LONG_IN} in, "
@@ -345,13 +353,13 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
             + ", ".join(f"{t} {ratio(best[t], best['vllm'])}" for t in targets if t != "vllm")
             + " of vLLM's server)"
         )
-    dis = results.get("disaggregated", {}).get("long_alone_ttft_s") or []
+    dis = [t for t in results.get("disaggregated", {}).get("long_alone_ttft_s") or [] if t is not None]
     if dis and prefill_alone_s:
-        ttft = statistics.median(t for t in dis if t is not None)
+        ratio_alone = ratio(statistics.median(dis), statistics.median(prefill_alone_s))
         lines += [
             "",
-            f"A {LONG_IN}-token prompt alone: disaggregated TTFT {ttft * 1000:.0f} ms, the prefill engine's own prefill "
-            f"{prefill_alone_s * 1000:.0f} ms on the same core ({ratio(ttft, prefill_alone_s)}; goal <= 1.10x)",
+            f"A {LONG_IN}-token prompt alone ({len(dis)} one at a time, medians and ranges): disaggregated TTFT {timing(dis)}, "
+            f"the prefill engine's own prefill {timing(prefill_alone_s)} on the same core: {ratio_alone} (goal <= 1.10x)",
         ]
     lines += ["", "The idle host before / after each target (wake-up round trip µs, Python loop ms):"]
     for t in targets:
@@ -386,9 +394,9 @@ def plot(results: dict[str, dict[str, Any]], rates: list[float], path: Path) -> 
     fig.savefig(path, dpi=100)
 
 
-def prefill_time_alone(chunk: int, workdir: Path) -> float | None:
+def prefill_time_alone(chunk: int, workdir: Path) -> list[float]:
     """The prefill engine's own time for a long prompt: vLLM's server on the prefill engine's
-    core with the prefill engine's arguments, TTFT of a long prompt alone (median of three)."""
+    core with the prefill engine's arguments, TTFT of each long prompt alone."""
     import bench_serving
 
     port = free_port()
@@ -400,10 +408,13 @@ def prefill_time_alone(chunk: int, workdir: Path) -> float | None:
     print("== the prefill engine's own prefill time: starting", file=sys.stderr)
     with started(cmd, env, workdir / "prefill-alone.log", f"http://127.0.0.1:{port}/health", REPO_ROOT):
         asyncio.run(drive(port, workload(2.0, 4, seed=99)))
-        longs = [Request(0.0, r.prompt, True) for r in workload(1.0, 40, seed=7) if r.long][:3]
-        times = [asyncio.run(drive(port, [r]))[0][0].ttft_s for r in longs]
-    times = [t for t in times if t is not None]
-    return statistics.median(times) if times else None
+        times = [asyncio.run(drive(port, [r]))[0][0].ttft_s for r in long_prompts_alone()]
+    return [t for t in times if t is not None]
+
+
+def long_prompts_alone() -> list[Request]:
+    """The same ``ALONE`` long prompts for the prefill alone and the disaggregated target."""
+    return [Request(0.0, r.prompt, True) for r in workload(1.0, 20 * ALONE, seed=7) if r.long][:ALONE]
 
 
 def main(argv: list[str]) -> int:
@@ -428,7 +439,9 @@ def main(argv: list[str]) -> int:
         saved = json.loads(args.report.read_text())
         results = {t: {**r, "rates": {float(k): v for k, v in r["rates"].items()}} for t, r in saved["results"].items()}
         rates = sorted(next(iter(results.values()))["rates"])
-        print(report(results, rates, saved["prefill_alone_s"]))
+        # Runs saved before the prompt alone was measured ALONE times kept only the median.
+        alone = saved.get("prefill_alone_runs_s") or ([saved["prefill_alone_s"]] if saved.get("prefill_alone_s") else [])
+        print(report(results, rates, alone))
         if args.plot:
             plot(results, rates, args.plot)
         return 0
@@ -439,13 +452,16 @@ def main(argv: list[str]) -> int:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="pdgoodput-") as tmp:
         workdir = Path(tmp)
-        prefill_alone = prefill_time_alone(args.chunk, workdir) if "disaggregated" in args.targets else None
+        prefill_alone: list[float] = []
         for target in args.targets.split(","):
+            if target == "disaggregated":  # right before it: the host as the target will see it
+                prefill_alone = prefill_time_alone(args.chunk, workdir)
             results[target] = run_target(target, rates, count, args.chunk, workdir)
     table = report(results, rates, prefill_alone)
     print(table)
     if args.out:
-        args.out.write_text(json.dumps({"results": results, "prefill_alone_s": prefill_alone, "table": table}, indent=2, default=str))
+        saved = {"results": results, "prefill_alone_runs_s": prefill_alone, "table": table}
+        args.out.write_text(json.dumps(saved, indent=2, default=str))
     if args.plot:
         with contextlib.suppress(ImportError):
             plot(results, rates, args.plot)

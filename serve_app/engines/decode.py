@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -13,9 +14,15 @@ from ray import serve
 
 from serve_app.config.backends import EngineSpec, PoolSpec
 from serve_app.engines.metaserver import MetaserverRelay, with_relay
+from serve_app.engines.records import receive_timeline
 from serve_app.engines.server import EngineServer
 from serve_app.wire.protocol import MOVED, EngineEvent, EngineRequest, KVReady, TokenDelta
 
+logger = logging.getLogger("pd_serve.engine")
+
+# How long the DEBUG receive timeline waits for the connector's record of the transfer (it rides
+# with the engine's stats, throttled to a few per second).
+RECEIVE_RECORD_WAIT_S = 5.0
 
 @serve.deployment
 class Decode(EngineServer):
@@ -23,6 +30,7 @@ class Decode(EngineServer):
         await super().__init__(spec, drain_s)
         self.relay = MetaserverRelay()
         await self.relay.start()
+        self._timelines: set[asyncio.Task] = set()
 
     async def generate(self, request: EngineRequest, replica: str | None = None) -> AsyncIterator[EngineEvent]:
         self.pinned(replica)
@@ -66,11 +74,13 @@ class Decode(EngineServer):
             # or failed: then its output comes first and no callback will.
             await asyncio.wait({kv_ready, next_delta}, return_when=asyncio.FIRST_COMPLETED)
             counted = False
+            transfer_id = None
             if kv_ready.done() and not kv_ready.cancelled():
                 ready = kv_ready.result()
                 # What the prefix cache held; the rest is pushed.
                 self.count_prompt(prompt_tokens, int(ready.get("remote_cached_tokens") or 0))
                 counted = True
+                transfer_id = str(ready.get("request_id") or request.request_id)
                 yield KVReady(ready)
             while True:
                 try:
@@ -80,6 +90,9 @@ class Decode(EngineServer):
                 if not counted and isinstance(delta, TokenDelta):
                     counted = True  # no KVReady: the cache held the whole prompt (or the engine failed)
                     self.count_prompt(prompt_tokens, delta.num_cached_tokens)
+                if transfer_id is not None and isinstance(delta, TokenDelta):
+                    self._log_receive(transfer_id, time.time())
+                    transfer_id = None
                 yield delta
                 next_delta = asyncio.ensure_future(anext(stream))
         finally:
@@ -90,6 +103,20 @@ class Decode(EngineServer):
             with contextlib.suppress(BaseException):
                 await next_delta  # retrieve its outcome, so no error is left unobserved
             await stream.aclose()
+
+    def _log_receive(self, transfer_id: str, first_token_at: float) -> None:
+        """At DEBUG, once the transfer's record is in: its receive timeline (records.py)."""
+        if not (self.spec.push_records and logger.isEnabledFor(logging.DEBUG)):
+            return
+
+        async def log() -> None:
+            record = await self.runner.transfer_record(transfer_id, RECEIVE_RECORD_WAIT_S)
+            if record is not None:
+                logger.debug(receive_timeline(transfer_id, record, first_token_at), extra={"pd_transfer": transfer_id})
+
+        task = asyncio.get_running_loop().create_task(log())
+        self._timelines.add(task)
+        task.add_done_callback(self._timelines.discard)
 
     def _stop_now(self) -> None:
         relay = getattr(self, "relay", None)

@@ -70,3 +70,27 @@ def push_timeline(transfer_id: str, record: dict[str, Any], since: float) -> str
         f"{ms(record.get('forward_done_at'))} ms, acknowledged {ms(record.get('acked_at'))} ms after the call arrived "
         f"(at {since:.4f}, wall clock)"
     )
+
+
+def receive_timeline(transfer_id: str, record: dict[str, Any], first_token_at: float) -> str:
+    """The decode side of a push in one line, against the moment its receive was armed (the
+    decode engine's blocks held, its KV parameters on their way to the router): when the first
+    and last layers came in, when the transfer settled, and when the engine's first token reached
+    the replica (``first_token_at``, wall clock, as the connector's times). With the prefill engine's
+    ``push_timeline`` (both name their wall-clock origin) it splits a TTFT into the hand-off,
+    the push and what follows it (docs/performance.md; logged at DEBUG)."""
+    armed = record.get("armed_at")
+    if armed is None:
+        return f"transfer {transfer_id}: {record.get('outcome', 'no')} receive, never armed"
+    armed = float(armed)
+
+    def ms(at: Any) -> str:
+        return "-" if at is None else f"+{(float(at) - armed) * 1000:.1f}"
+
+    return (
+        f"transfer {transfer_id}: {record.get('frames_received', 0)} frames of {record.get('layers_received', 0)} layers, "
+        f"{record.get('bytes_received', 0)} bytes "
+        f"{record.get('outcome', '?')}; first layer in {ms(record.get('first_layer_at'))} ms, last layer in "
+        f"{ms(record.get('last_layer_at'))} ms, settled {ms(record.get('settled_at'))} ms, first token in the replica "
+        f"{ms(first_token_at)} ms after the receive was armed (at {armed:.4f}, wall clock)"
+    )

@@ -129,3 +129,23 @@ def test_a_saved_run_is_reported_again_with_every_ratio(goodput, tmp_path, capsy
     out = capsys.readouterr().out
     assert "Disaggregated against vLLM's server" in out and "rate  4.0: ITL p99 0.50x, goodput 1.50x, TPOT p90 0.50x" in out
     assert "Disaggregated against pd-serve colocated" in out and "rate  4.0: ITL p99 0.25x, goodput 3.00x, TPOT p90 0.40x" in out
+
+
+@pytest.mark.parametrize(
+    "alone_key, alone, expected",
+    [
+        ("prefill_alone_runs_s", [0.100, 0.120, 0.110], "110 ms (100-120 ms) on the same core: 1.09x"),
+        ("prefill_alone_s", 0.110, "prefill 110 ms on the same core: 1.09x"),  # saved before the runs were kept
+    ],
+)
+def test_a_long_prompt_alone_is_reported_as_medians_with_their_spread(goodput, tmp_path, capsys, alone_key, alone, expected):
+    host = [{"wakeup_us": 40.0, "loop_ms": 30.0}] * 2
+    summary = {"requests": 1, "failed": 0, "ttft_p90_s": 0.2, "itl_p99_s": 0.02, "tpot_p90_s": 0.01}
+    summary |= {"short_ttft_p90_s": 0.1, "tokens_per_s": 1.0, "attainment": 1.0, "goodput_rps": 1.0}
+    results = {t: {"host_speed": host, "rates": {"4.0": summary}} for t in ("vllm", "disaggregated")}
+    results["disaggregated"]["long_alone_ttft_s"] = [0.130, None, 0.115, 0.120]  # a failed one is left out
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"results": results, alone_key: alone}))
+    assert goodput.main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(3 one at a time, medians and ranges): disaggregated TTFT 120 ms (115-130 ms)," in out and expected in out

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from serve_app.engines.records import push_timeline
+from serve_app.engines.records import push_timeline, receive_timeline
 from serve_app.kv.consumer import ConsumerWorker
 from serve_app.kv.metadata import LayerwiseMetadata, LayerwiseStats, RecvSpec, SendSpec
 from serve_app.kv.producer import FrameSender, ProducerWorker
@@ -466,7 +466,15 @@ def test_producer_pushes_layers_the_consumer_writes(producer, consumer):
     assert "4 layers" in line and "done sent +" in line and "acknowledged +" in line
     assert f"(at {rec['first_layer_sent_at']:.4f}, wall clock)" in line
     assert producer.take_records() == {}
-    assert consumer.take_records()["t-1"]["frames_received"] == 4
+    got = consumer.take_records()["t-1"]
+    assert got["frames_received"] == 4
+    # The decode side's line, from the consumer's record, against the arming of the receive.
+    line = receive_timeline("t-1", got, first_token_at=got["settled_at"] + 0.002)
+    pattern = r"first layer in \+([\d.]+) ms, last layer in \+([\d.]+) ms, settled \+([\d.]+) ms, first token in the replica \+([\d.]+) ms"
+    first_in, last_in, settled, token = (float(x) for x in re.search(pattern, line).groups())
+    assert 0 <= first_in <= last_in <= settled < token and abs(token - settled - 2.0) < 0.11
+    assert f"4 frames of {len(LAYERS)} layers" in line and " done;" in line and f"(at {got['armed_at']:.4f}, wall clock)" in line
+    assert "never armed" in receive_timeline("t-2", {"outcome": "failed"}, first_token_at=0.0)
 
 
 def test_the_done_frame_follows_the_last_layer_not_the_forward(producer, consumer):

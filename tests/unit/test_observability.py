@@ -227,3 +227,39 @@ def test_at_info_a_request_logs_its_end_and_only_the_attempts_after_its_first(ti
 
     pressure = args(router={"max_attempts": 30}, mock={"decode_step_s": 0.001, "kv_capacity_tokens": 200})
     run_with_metrics(body, pressure, tiny_tokenizer)
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_a_decode_replica_logs_its_receive_timeline_at_debug_only(debug):
+    """Once the first token of a pushed prompt reached the replica: the connector's receive
+    record as one line (engines/records.receive_timeline), joined to the push by its transfer id."""
+    from types import SimpleNamespace
+
+    from serve_app.engines.decode import Decode
+
+    record = {"outcome": "done", "frames_received": 4, "layers_received": 4, "bytes_received": 64, "armed_at": 100.0}
+    record |= {"first_layer_at": 100.010, "last_layer_at": 100.040, "settled_at": 100.041}
+    asked = []
+
+    class Runner:
+        async def transfer_record(self, transfer_id: str, timeout_s: float) -> dict | None:
+            asked.append(transfer_id)
+            return record
+
+    replica = object.__new__(Decode.func_or_class)  # the class Serve instantiates
+    replica.spec, replica.runner, replica._timelines = SimpleNamespace(push_records=True), Runner(), set()
+
+    async def first_token() -> None:
+        replica._log_receive("t-9", first_token_at=100.050)
+        await asyncio.gather(*replica._timelines)
+
+    with captured(logging.DEBUG if debug else logging.INFO) as handler:
+        asyncio.run(first_token())
+    lines = [r.getMessage() for r in handler.records if r.getMessage().startswith("transfer t-9:")]
+    if not debug:
+        assert lines == [] and asked == []  # nothing waited for, nothing logged
+        return
+    assert asked == ["t-9"] and replica._timelines == set()
+    (line,) = lines
+    assert "4 frames of 4 layers, 64 bytes done; first layer in +10.0 ms, last layer in +40.0 ms, settled +41.0 ms" in line
+    assert "first token in the replica +50.0 ms after the receive was armed (at 100.0000, wall clock)" in line
