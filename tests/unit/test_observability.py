@@ -246,11 +246,11 @@ def test_a_decode_replica_logs_its_receive_timeline_at_debug_only(debug):
             asked.append(transfer_id)
             return record
 
-    replica = object.__new__(Decode.func_or_class)  # the class Serve instantiates
-    replica.spec, replica.runner, replica._timelines = SimpleNamespace(push_records=True), Runner(), set()
+    # The method of the class Serve instantiates, on just what it reads of its replica.
+    replica = SimpleNamespace(spec=SimpleNamespace(push_records=True), runner=Runner(), _timelines=set())
 
     async def first_token() -> None:
-        replica._log_receive("t-9", first_token_at=100.050)
+        Decode.func_or_class._log_receive(replica, "t-9", first_token_at=100.050)
         await asyncio.gather(*replica._timelines)
 
     with captured(logging.DEBUG if debug else logging.INFO) as handler:

@@ -1,0 +1,71 @@
+"""The hop-by-hop TTFT split (scripts/bench_handoff.py), from the very lines the engines log."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from serve_app.engines.records import push_timeline, receive_timeline
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def handoff():
+    sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location("bench_handoff", SCRIPTS / "bench_handoff.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_handoff"] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(SCRIPTS))
+    for name in ("bench_handoff", "bench_serving"):
+        sys.modules.pop(name, None)
+
+
+def logged(attempt: str, t0: float) -> str:
+    """A prefill and a decode replica's DEBUG lines for one attempt whose client sent at ``t0``:
+    armed at +4 ms, the prefill call at +6, last layer at +11, settled at +12, token at +17."""
+    push = {"layers_pushed": 2, "bytes_pushed": 10, "push_times": [t0 + 0.009, t0 + 0.011], "done_sent_at": t0 + 0.011}
+    push |= {"forward_done_at": t0 + 0.0115, "acked_at": t0 + 0.012}
+    receive = {"outcome": "done", "frames_received": 2, "layers_received": 2, "bytes_received": 10, "armed_at": t0 + 0.004}
+    receive |= {"first_layer_at": t0 + 0.0095, "last_layer_at": t0 + 0.0113, "settled_at": t0 + 0.012}
+    return "\n".join(
+        [
+            f"INFO 2026-12-04 pd_serve.engine -- transfer other-1: {push_timeline('other-1', push, since=t0)}",
+            f"DEBUG 2026-12-04 pd_serve.engine -- {push_timeline(attempt, push, since=t0 + 0.006)}",
+            f"DEBUG 2026-12-04 pd_serve.engine -- {receive_timeline(attempt, receive, first_token_at=t0 + 0.017)}",
+        ]
+    )
+
+
+def test_a_ttft_is_split_at_the_points_both_engines_logged(handoff):
+    t0 = 1_800_000_000.0
+    sent = handoff.Sent("cmpl-a", t0, t0 + 0.020)
+    split = handoff.split_ttft(sent, logged("cmpl-a-1", t0))
+    expected = dict(zip(handoff.SEGMENTS, (4.0, 2.0, 5.0, 1.0, 5.0, 3.0)))
+    assert split.keys() == {*handoff.SEGMENTS, "TTFT"}
+    assert all(abs(split[k] - v) < 0.05 for k, v in expected.items()), split
+    assert abs(sum(split[k] for k in handoff.SEGMENTS) - split["TTFT"]) < 1e-6 and abs(split["TTFT"] - 20.0) < 1e-3
+    assert "settled -> first token in decode replica   median     5.0 ms" in handoff.summary([split])
+
+
+@pytest.mark.parametrize(
+    "sent, text",
+    [
+        ("cmpl-b", "logged for cmpl-a only"),  # another request's lines
+        ("cmpl-a", "decode line only"),
+        ("cmpl-a", "no first token"),
+    ],
+)
+def test_a_request_without_both_lines_or_a_token_is_left_out(handoff, sent, text):
+    t0 = 1_800_000_000.0
+    lines = logged("cmpl-a-1", t0)
+    if text == "decode line only":
+        lines = lines.splitlines()[-1]
+    first = None if text == "no first token" else t0 + 0.02
+    assert handoff.split_ttft(handoff.Sent(sent, t0, first), lines) is None
