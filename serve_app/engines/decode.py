@@ -24,6 +24,7 @@ logger = logging.getLogger("pd_serve.engine")
 # with the engine's stats, throttled to a few per second).
 RECEIVE_RECORD_WAIT_S = 5.0
 
+
 @serve.deployment
 class Decode(EngineServer):
     async def __init__(self, spec: EngineSpec | PoolSpec, drain_s: float = 0.0) -> None:
