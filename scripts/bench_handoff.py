@@ -40,11 +40,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-from bench_serving import REPO_ROOT, VENV_BIN, base_env, parse_sets, set_arg, started  # noqa: E402
+import bench_serving  # noqa: E402
+from bench_serving import REPO_ROOT, base_env, parse_sets, started  # noqa: E402
 
 from serve_app.runtime.ports import free_port  # noqa: E402
 
@@ -143,15 +142,9 @@ def main(argv: list[str]) -> int:
             cmd, env = bench_goodput.command("disaggregated", port, workdir, bench_goodput.DEFAULT_CHUNK)
             model, prompt_len, gap_s = bench_goodput.SERVED_NAME, bench_goodput.LONG_IN, 0.5
         else:
-            config = yaml.safe_load((REPO_ROOT / "configs" / "serve.yaml").read_text())
-            (app,) = config["applications"]
-            for key, value in {**overrides, "log_level": "DEBUG"}.items():
-                set_arg(app["args"], key, value)
-            app["args"]["router"]["http"]["port"] = port
-            path = workdir / "serve.yaml"
-            path.write_text(yaml.safe_dump(config))
-            cmd, env = [str(VENV_BIN / "serve"), "run", str(path)], base_env()
-            model, prompt_len, gap_s = app["args"]["served_model_name"], 32, 0.05
+            bench_serving.OVERRIDES.update({**overrides, "log_level": "DEBUG"})
+            cmd, env = bench_serving.serve_command("disaggregated", port, workdir), base_env()
+            model, prompt_len, gap_s = bench_serving.app_args("disaggregated")["served_model_name"], 32, 0.05
         with started(cmd, env, workdir / "serve.log", f"http://127.0.0.1:{port}/health", REPO_ROOT):
             sent = asyncio.run(send_all(port, model, prompt_len, args.requests, gap_s))
             time.sleep(6)  # the receive records ride with the engine's stats, a few times a second

@@ -55,13 +55,18 @@ class TransferRecords:
         return self._records.get(transfer_id)
 
 
+def _after(at: Any, origin: float) -> str:
+    """A timeline's time of ``at`` (wall clock) in ms after ``origin``, or "-" when it has none."""
+    return "-" if at is None else f"+{(float(at) - origin) * 1000:.1f}"
+
+
 def push_timeline(transfer_id: str, record: dict[str, Any], since: float) -> str:
     """One line that says when each layer of a push left, against the prefill call's arrival
     (``since``, wall clock, as the connector's times): whether the push overlapped the forward
     or trailed it is read off this (README, "Performance"; logged at DEBUG)."""
 
     def ms(at: Any) -> str:
-        return "-" if at is None else f"+{(float(at) - since) * 1000:.1f}"
+        return _after(at, since)
 
     layers = " ".join(ms(at) for at in record.get("push_times") or [])
     return (
@@ -85,7 +90,7 @@ def receive_timeline(transfer_id: str, record: dict[str, Any], first_token_at: f
     armed = float(armed)
 
     def ms(at: Any) -> str:
-        return "-" if at is None else f"+{(float(at) - armed) * 1000:.1f}"
+        return _after(at, armed)
 
     return (
         f"transfer {transfer_id}: {record.get('frames_received', 0)} frames of {record.get('layers_received', 0)} layers, "

@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.support.scripts import scripts_loaded
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))
-    modules = {}
-    for name in ("bench_goodput", "bench_autoscale"):
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while it loads
-        spec.loader.exec_module(module)
-        modules[name] = module
-    yield modules["bench_autoscale"]
-    sys.path.remove(str(SCRIPTS))
-    for name in ("bench_autoscale", "bench_goodput", "bench_serving", "make_tiny_model"):
-        sys.modules.pop(name, None)
+    with scripts_loaded("bench_goodput", "bench_autoscale") as modules:
+        yield modules["bench_autoscale"]
 
 
 def test_the_step_load_has_each_phases_rate_and_is_the_same_for_both_apps(bench):

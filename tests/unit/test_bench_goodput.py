@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.support.scripts import scripts_loaded
 
 
 @pytest.fixture(scope="module")
 def goodput():
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("bench_goodput", SCRIPTS / "bench_goodput.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_goodput"] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(SCRIPTS))
-    for name in ("bench_goodput", "bench_serving", "make_tiny_model"):
-        sys.modules.pop(name, None)
+    with scripts_loaded("bench_goodput") as modules:
+        yield modules["bench_goodput"]
 
 
 def test_the_workload_is_the_same_for_every_target_and_has_the_stated_mix(goodput):

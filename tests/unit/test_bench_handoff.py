@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from serve_app.engines.records import push_timeline, receive_timeline
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.support.scripts import scripts_loaded
 
 
 @pytest.fixture(scope="module")
 def handoff():
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("bench_handoff", SCRIPTS / "bench_handoff.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_handoff"] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(SCRIPTS))
-    for name in ("bench_handoff", "bench_serving"):
-        sys.modules.pop(name, None)
+    with scripts_loaded("bench_handoff") as modules:
+        yield modules["bench_handoff"]
 
 
 def logged(attempt: str, t0: float) -> str:

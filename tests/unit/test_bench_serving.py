@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
+from tests.support.scripts import scripts_loaded
+
 AFFINITY = os.sched_getaffinity(0)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_serving", None)
+    with scripts_loaded("bench_serving") as modules:
+        yield modules["bench_serving"]
 
 
 def run(tok_s: float, failed: int = 0, router_cpu: float = 1.0) -> dict:
@@ -128,7 +122,6 @@ def test_the_mocks_router_added_ttft_is_the_median_over_rounds(bench):
 
 
 def test_a_failed_start_reports_the_end_of_its_log(bench, tmp_path):
-    import sys
 
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-c", "print('starting'); print('OSError: [Errno 98] Address already in use'); raise SystemExit(3)"]
