@@ -176,6 +176,9 @@ def within_bound(candidates: Sequence[Candidate], max_imbalance: float, request_
     return [c for c in candidates if c[1] <= load_bound and c[2] <= work_bound] or [min(candidates, key=lambda c: c[1])]
 
 
+RESCALE_HALVINGS = 40  # 2^40: ~1e12, far from float's limits either way
+
+
 class RecentWork:
     """Work sent to each engine, decaying by half every ``half_life_s``: the long-run share the
     bound keeps even. Values are kept multiplied by 2^(t / half_life_s), so adding is one
@@ -191,11 +194,15 @@ class RecentWork:
         """What work sent at ``now`` weighs in ``scaled`` units."""
         if self._origin is None:
             self._origin = now
-        factor = 2.0 ** ((now - self._origin) / self.half_life_s)
-        if factor > 1e12:
-            self._scaled = {engine: value / factor for engine, value in self._scaled.items()}
-            self._origin, factor = now, 1.0
-        return factor
+        halvings = (now - self._origin) / self.half_life_s
+        if halvings <= RESCALE_HALVINGS:
+            return 2.0**halvings
+        # Rescale before the power gets large: after hours without a choice it would overflow
+        # a float (2^1024), and the shrinking power underflows to 0 instead, as the work has.
+        shrink = 2.0**-halvings
+        self._scaled = {engine: value * shrink for engine, value in self._scaled.items()}
+        self._origin = now
+        return 1.0
 
     def add(self, engine: str, work: float, factor: float) -> None:
         self._scaled[engine] = self._scaled.get(engine, 0.0) + work * factor

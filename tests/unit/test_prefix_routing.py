@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from unittest import mock
 
 import pytest
 
@@ -285,6 +286,28 @@ def test_recent_work_halves_each_half_life_and_keeps_its_order_when_rescaled():
     assert factor == 1.0 and work.scaled("b") / work.scaled("a") == pytest.approx(2)
     work.forget("a")
     assert work.scaled("a") == 0.0
+
+
+def test_recent_work_survives_hours_without_a_choice():
+    """A router idle for hours (2^(t / half-life) past a float's range) still chooses; the old
+    work has decayed to nothing and new work counts afresh."""
+    work = RecentWork(half_life_s=10.0)
+    work.add("a", 100, work.factor(0.0))
+    for idle_s in (3 * 3600.0, 30 * 86400.0):
+        factor = work.factor(idle_s)
+        assert factor == 1.0 and work.scaled("a") == 0.0
+    work.add("b", 5, work.factor(30 * 86400.0 + 10.0))
+    assert work.scaled("b") / work.factor(30 * 86400.0 + 10.0) == pytest.approx(5)
+
+
+def test_a_pool_picks_by_prefix_after_a_quiet_night():
+    pool = pool_of("d0", "d1")
+    keys = pool.prefix_keys(prompt(4))
+    clock = [1000.0]
+    with mock.patch("serve_app.router.pool.time.monotonic", lambda: clock[0]):
+        first = pool.pick("decode", prefix_keys=keys, request_load=10).name
+        clock[0] += 10 * 3600
+        assert pool.pick("decode", prefix_keys=keys, request_load=10).name == first  # where its prefix is
 
 
 def test_short_calls_of_one_hot_prefix_spread_once_its_engine_took_more_than_its_share():
