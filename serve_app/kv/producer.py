@@ -181,6 +181,7 @@ class ProducerWorker:
         self._finished_records: dict[str, dict[str, Any]] = {}
         self._step_layers: dict[str, set[str]] = {}  # transfer -> layers pushed in this step
         self._done_sent: dict[str, Link] = {}  # transfer -> where its done frame went, this step
+        self._open: dict[str, SendSpec] = {}  # engine request id -> its transfer's latest chunk, until it ends
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv.register(kv_caches, self.s.block_size)
@@ -240,8 +241,10 @@ class ProducerWorker:
         (once decode acknowledged them: module docstring)."""
         now = time.time()
         awaiting: list[tuple[str, Link]] = []
+        self._end_aborted(meta)
         for spec in meta.send:
             tid = spec.transfer_id
+            self._open[spec.req_id] = spec
             record = self._records.setdefault(tid, new_record("prefill"))
             record["tokens_pushed"] += spec.num_tokens if not (spec.error or tid in self._broken) else 0
             record["forward_done_at"] = now
@@ -273,7 +276,23 @@ class ProducerWorker:
                 logger.warning("transfer %s: push failed: %s", tid, printable(problem))
             self._finish(tid, problem)
 
+    def _end_aborted(self, meta: LayerwiseMetadata) -> None:
+        """Requests that finished between chunks of their push (aborted): their transfer ends
+        here, and decode hears of it now rather than at its receive deadline."""
+        for req_id in meta.finished:
+            spec = self._open.get(req_id)
+            if spec is None:
+                continue
+            reason = "the prefill request was aborted before its push ended"
+            parts = encode_frame(KIND_FAILED, self.compat, {"transfer": spec.transfer_id, "secret": spec.secret, "reason": reason})
+            try:
+                self.sender.send(spec.host, spec.port, parts)
+            except OSError:
+                pass  # decode fails it at its deadline
+            self._finish(spec.transfer_id, reason)
+
     def _finish(self, tid: str, reason: str | None) -> None:
+        self._open = {req_id: spec for req_id, spec in self._open.items() if spec.transfer_id != tid}
         record = self._records.pop(tid)
         record["outcome"] = "failed" if reason else "done"
         if reason:

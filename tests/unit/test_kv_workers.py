@@ -515,6 +515,21 @@ def test_producer_unfinished_transfer_keeps_its_record(producer, consumer):
     assert producer.take_records() == {}  # only finished transfers are shipped
 
 
+def test_producer_push_aborted_between_chunks_ends_on_both_sides(producer, consumer):
+    """A request aborted after a chunk that was not its last: the prefill worker keeps nothing
+    of its transfer, and decode fails it at once instead of at its deadline."""
+    arm(consumer, "d-req", "t-1", [2, 5])
+    run_step(producer, send_spec(port_of(consumer), [1], [2], 4, last_chunk=False))
+    producer.finish_step(LayerwiseMetadata(finished=["p-req"]))
+    rec = producer.take_records()["t-1"]
+    assert rec["outcome"] == "failed" and "aborted" in rec["error"] and rec["layers_pushed"] == len(LAYERS)
+    assert (producer._records, producer._frames, producer._open) == ({}, {}, {})
+    finished, failed = poll_until(consumer, "d-req")
+    assert failed == {"d-req"} and "aborted" in consumer.take_records()["t-1"]["error"]
+    producer.finish_step(LayerwiseMetadata(finished=["p-req"]))  # reported again: nothing left to end
+    assert producer.take_records() == {}
+
+
 def test_producer_error_spec_fails_the_consumer(producer, consumer):
     before = snapshot(consumer.kv.layers)
     arm(consumer, "d-req", "t-1", [2, 5])
