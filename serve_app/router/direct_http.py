@@ -17,11 +17,11 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serve_app.router.errors import OpenAIError, error_body
+from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body
 from serve_app.router.service import RouterService
 from serve_app.runtime.http_server import InReplicaServer, listening_socket
 
@@ -44,6 +44,10 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
                 chunks.append(chunk)
     except TimeoutError:
         raise OpenAIError(408, f"Request body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        # Gone before its body was complete: counted, and never an application error (uvicorn
+        # would log one with a traceback for every such client).
+        raise OpenAIError(CLIENT_CLOSED, "The client closed the connection before its request body was complete") from None
     return b"".join(chunks)
 
 

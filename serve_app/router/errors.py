@@ -14,6 +14,7 @@ CLIENT_CLOSED = 499  # nginx's status for a client that went away; used in metri
 STATUS = {
     400: ("invalid_request_error", "invalid_request"),
     404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
     408: ("invalid_request_error", "client_timeout"),
     413: ("invalid_request_error", "too_large"),
     CLIENT_CLOSED: ("client_closed", "client_closed"),

@@ -115,20 +115,26 @@ def _longest_token_chars(tokenizer: Any) -> int:
 
 
 def decode_json(raw: bytes) -> Any:
-    """The body of an HTTP request. Lone surrogates can only come from ``\\uD8xx``-style escapes
-    (invalid UTF-8 bytes fail to decode), so only bodies with such an escape are walked."""
+    """The body of an HTTP request: UTF-8 JSON (RFC 8259), decoded strictly first. ``json.loads``
+    of bytes would let lone surrogates through as raw bytes (it decodes with ``surrogatepass``)
+    and take UTF-16 and UTF-32 bodies too; decoded here, lone surrogates can only come from
+    ``\\uD8xx``-style escapes, so only bodies with such an escape are walked."""
     try:
-        body = json.loads(raw)
-        if _SURROGATE_ESCAPE.search(raw):
+        text = raw.decode("utf-8-sig")  # strict: refuses encoded surrogates; a BOM is dropped
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"Request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        body = json.loads(text)
+        if _SURROGATE_ESCAPE.search(text):
             check_strings(body)
         return body
     except RecursionError:
         raise bad_request("Request body is nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def check_strings(body: Any) -> int | None:

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from serve_app.router.direct_http import openai_app, read_body
-from serve_app.router.errors import OpenAIError
+from serve_app.router.errors import CLIENT_CLOSED, OpenAIError
 from serve_app.runtime.http_server import InReplicaServer, listening_socket
 from tests.support.inprocess import MOCK_ARGS, App
 
@@ -297,6 +297,48 @@ def test_read_body_stops_reading_at_the_limit_and_gives_a_slow_body_a_deadline()
         assert await read_body(request([b"ab"], headers=[(b"content-length", b"0" * 5000 + b"2")]), limit=1000, timeout_s=5) == b"ab"
 
     asyncio.run(main())
+
+
+def test_a_client_gone_before_its_body_ended_is_counted_not_an_application_error():
+    """Starlette raises ClientDisconnect; uvicorn would log it as an error with a traceback."""
+    parts: list[dict[str, Any]] = [{"type": "http.request", "body": b'{"prompt": "', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict[str, Any]:
+        return parts.pop(0)
+
+    async def main() -> None:
+        with pytest.raises(OpenAIError) as gone:
+            await read_body(Request({"type": "http", "method": "POST", "headers": []}, receive), limit=1000, timeout_s=5)
+        assert gone.value.status == CLIENT_CLOSED
+
+    asyncio.run(main())
+
+
+def test_raw_surrogates_and_non_utf8_bodies_are_a_400(tiny_tokenizer):
+    """JSON's ``json.loads`` of bytes lets encoded lone surrogates through (``surrogatepass``) and
+    takes UTF-16 bodies, whose escapes the surrogate check did not see: each was a 500."""
+    surrogate = "\ud800".encode("utf-8", "surrogatepass")  # b"\xed\xa0\x80"
+    bodies = {
+        "/v1/completions": [
+            b'{"prompt": "hi ' + surrogate + b' there", "max_tokens": 2}',
+            b'{"prompt": "x", "max_tokens": 2, "vllm_xargs": {"a": "' + surrogate + b'"}}',
+            '{"prompt": "hi \\ud800", "max_tokens": 2}'.encode("utf-16"),
+        ],
+        "/v1/chat/completions": [b'{"messages": [{"role": "user", "content": "a' + surrogate + b'"}], "max_tokens": 2}'],
+    }
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        with mock.patch.object(app.service, "_session", side_effect=AssertionError("an engine was asked")):
+            for path, raws in bodies.items():
+                for raw in raws:
+                    assert_openai_error(await client.post(path, content=raw, headers={"content-type": "application/json"}), 400)
+        # A BOM before UTF-8 JSON is still read (RFC 8259 lets a parser ignore it), and the
+        # server answers a wrong method as a client's error, not an internal one.
+        ok = await client.post("/v1/completions", content=b"\xef\xbb\xbf" + json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode())
+        assert ok.status_code == 200, ok.text
+        assert assert_openai_error(await client.get("/v1/completions"), 405)["type"] == "invalid_request_error"
+
+    run(body, tiny_tokenizer)
 
 
 def test_pd_engines_shows_addresses_to_the_operator_only(tiny_tokenizer):
