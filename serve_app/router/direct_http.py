@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Coroutine
 from typing import Any
 
 from starlette.applications import Starlette
@@ -62,14 +63,50 @@ def _declares_more(content_length: str, limit: int) -> bool:
 
 
 async def openai_call(service: RouterService, route: Any, request: Request) -> Response:
-    """An OpenAI route: the body within the configured limits, then the service."""
+    """An OpenAI route: the body within the configured limits, then the service, for as long as
+    the client stays."""
     http = service.config.router.http
     try:
         body = await read_body(request, http.max_body_bytes, http.body_timeout_s)
     except OpenAIError as exc:
         service.refused(route, exc.status)
         return JSONResponse(exc.body(), exc.status)
-    return await service.http(route, body)
+    return await until_client_leaves(request, service.http(route, body))
+
+
+async def until_client_leaves(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """``work``'s response, or ``work`` cancelled as soon as the client disconnects.
+
+    uvicorn never cancels a handler whose client went away (Serve's proxy does, and vLLM's server
+    watches for it the same way, ``with_cancellation``). Without this a non-streamed request, or
+    a streamed one before its first token (Starlette's streaming response watches only once it
+    exists), runs on to its end or its deadline, holding its engine requests, their KV blocks and
+    the router's leases."""
+    handler = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        handler.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not handler.done():
+        handler.cancel()
+    try:
+        return await handler  # a response made meanwhile is still returned: it releases itself
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # this handler's own cancellation, not the client's
+        return Response(status_code=CLIENT_CLOSED)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the ASGI server reports the client gone (the body is already read: the next
+    message is the disconnect, or the end of the response)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def authorized_operator(service: RouterService, authorization: str | None) -> bool:

@@ -273,6 +273,45 @@ def test_a_client_disconnect_in_each_phase_releases_everything(tiny_tokenizer, t
     run(body, args(router={"engine_transport": transport}, mock={"decode_step_s": 0.005}), tiny_tokenizer)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_from_the_direct_http_server_before_any_token_releases_everything(tiny_tokenizer, stream):
+    """uvicorn does not cancel a handler whose client left: a non-streamed request (while it
+    decodes) and a streamed one before its first token (its decode engine never reports its KV
+    ready) end when the ASGI server reports the disconnect, not at their end or deadline."""
+    from serve_app.router.direct_http import openai_app
+
+    async def body(app: App) -> None:
+        if stream:
+            no_callbacks(app)
+        raw = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": stream}).encode()
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        sent: list = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+        call = asyncio.ensure_future(openai_app(app.service)(scope, receive, send))
+        if stream:
+            await wait_until(lambda: any(e.relay.pending for n, e in app.engines.items() if n.startswith("decode")))
+        else:
+            await wait_until(lambda: app.engines["decode-0"].runner.stats().inflight)
+            await asyncio.sleep(0.05)  # decoding
+        gone.set()
+        await asyncio.wait_for(call, 2)  # 2,000 tokens at 5 ms each would take 10 s
+        assert sent[0]["status"] == 499 and not call.exception()
+
+    run(body, args(mock={"decode_step_s": 0.005}), tiny_tokenizer)
+
+
 def test_a_handle_stream_closed_early_releases_everything(tiny_tokenizer):
     async def body(app: App) -> None:
         stream = app.service.generate({"prompt": PROMPT, "max_tokens": 2000})
