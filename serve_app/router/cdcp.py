@@ -19,7 +19,6 @@ requests and frees their KV blocks, and gives back the router's load leases.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -183,10 +182,17 @@ class AttemptExecutor:
                 await attempt.close()
 
     async def pick(
-        self, role: Role, avoid: frozenset[str], prefix_keys: list[int] | None = None, request_load: int = 0
+        self,
+        role: Role,
+        avoid: frozenset[str],
+        prefix_keys: list[int] | None = None,
+        request_load: int = 0,
+        wait_s: float | None = None,
     ) -> EngineLoad | None:
-        """An engine of ``role``; while none is healthy (restarting), wait up to kv_ready_s."""
-        deadline = time.monotonic() + self.timeouts.kv_ready_s
+        """An engine of ``role``; while none is healthy (restarting), wait up to kv_ready_s (or
+        ``wait_s``, if less: what is left of the caller's deadlines)."""
+        wait = self.timeouts.kv_ready_s if wait_s is None else min(wait_s, self.timeouts.kv_ready_s)
+        deadline = time.monotonic() + wait
         while True:
             load = self.pool.pick(role, avoid, prefix_keys, request_load)
             if load is not None or time.monotonic() >= deadline:
@@ -216,6 +222,7 @@ class AttemptRun:
         self.prefill_lease = ExitStack()
         self.prefill: str | None = None
         self.prefill_task: asyncio.Task | None = None
+        self.prefill_call: Any = None  # the started call itself: cancelled on close even if its task never ran
         self.next_item: asyncio.Future | None = None
         self.started = time.monotonic()
         self.prefill_started = 0.0
@@ -370,9 +377,17 @@ class AttemptRun:
                 )
                 return
             yield KVReadyEvent(item.params, self.decode)
-            prefill = await self.executor.pick("prefill", self.plan.avoid, self.prefix_keys, len(self.plan.prompt_token_ids))
+            prefill = await self.executor.pick(
+                "prefill", self.plan.avoid, self.prefix_keys, len(self.plan.prompt_token_ids), wait_s=self._time_left()
+            )
+            if self.leaving:  # the decode engine began stopping while no prefill engine was free
+                yield self._moved()
+                return
             if prefill is None:
-                yield AttemptFailed("no prefill engine is available", True, None, 503, "no_engine")
+                if self.request_deadline is not None and time.monotonic() >= self.request_deadline:
+                    yield self._timed_out()
+                else:
+                    yield AttemptFailed("no prefill engine is available", True, None, 503, "no_engine")
                 return
             self._start_prefill(prefill, item.params)
         elif isinstance(item, EngineRejected):
@@ -392,7 +407,7 @@ class AttemptRun:
         params = {k: v for k, v in kv_params.items() if k in PREFILL_KV_KEYS}
         request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params)
         self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))
-        response = self.executor.pool.start_prefill(prefill.name, request)
+        response = self.prefill_call = self.executor.pool.start_prefill(prefill.name, request)
         logger.log(
             attempt_log_level(self.plan.number),
             "attempt %s: KV ready on %s; prefill on %s pushes transfer %s",
@@ -420,21 +435,29 @@ class AttemptRun:
 
     async def close(self) -> None:
         """Cancel whatever is still running; the engines abort and free those requests. Every
-        cancelled wait is awaited, so no exception is left unretrieved (and logged) by asyncio."""
+        cancelled wait is awaited, so no exception is left unretrieved (and logged) by asyncio;
+        a cancellation of the caller's own during that wait still reaches it, after the rest is
+        released."""
         if self._left is not None and not self._left.done():
             self._left.cancel()
-        pending = [f for f in (self.next_item, self.prefill_task) if f is not None and not f.done()]
-        for future in pending:
+        futures = [f for f in (self.next_item, self.prefill_task) if f is not None]
+        for future in futures:
             future.cancel()
-        for future in (self.next_item, self.prefill_task):
-            if future is not None:
-                with contextlib.suppress(BaseException):
-                    await future
-        self.prefill_lease.close()
         try:
-            self.stream.cancel()
-        except Exception:  # already finished
-            pass
+            if self.prefill_task is not None and self.prefill_call is not None:
+                self.prefill_call.cancel()  # its task may be cancelled before it ever ran
+            pending = [f for f in futures if not f.done()]
+            if pending:
+                await asyncio.wait(pending)
+        finally:
+            for future in futures:
+                if future.done() and not future.cancelled():
+                    future.exception()  # retrieved: its outcome no longer matters
+            self.prefill_lease.close()
+            try:
+                self.stream.cancel()
+            except Exception:  # already finished
+                pass
 
 
 def _outcome_of(future: asyncio.Future) -> tuple[Any, BaseException | None]:

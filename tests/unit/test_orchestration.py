@@ -13,6 +13,7 @@ import json
 import time
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -310,6 +311,82 @@ def test_a_client_gone_from_the_direct_http_server_before_any_token_releases_eve
         assert sent[0]["status"] == 499 and not call.exception()
 
     run(body, args(mock={"decode_step_s": 0.005}), tiny_tokenizer)
+
+
+def test_closing_an_attempt_cancels_a_prefill_call_whose_task_never_ran():
+    """The decode engine can start leaving in the very turn its attempt starts the prefill call;
+    the attempt then ends as a move, and is closed, before the call's task runs once. Cancelling
+    that task alone would leave the call (already sent) running on the prefill engine."""
+    from serve_app.config.settings import TimeoutsConfig
+    from serve_app.router.balancer import EngineLoad
+    from serve_app.router.cdcp import AttemptRun
+    from serve_app.router.pool import EnginePool
+    from serve_app.router.recompute import AttemptPlan
+
+    class Call:
+        cancelled = False
+
+        def __await__(self):
+            return asyncio.Event().wait().__await__()  # never answers
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    class Stream:
+        def cancel(self) -> None:
+            pass
+
+    async def main() -> None:
+        pool = EnginePool({})
+        pool.loads["prefill-0"] = EngineLoad(name="prefill-0", role="prefill", healthy=True)
+        call = Call()
+        executor = SimpleNamespace(pool=pool, timeouts=TimeoutsConfig(), metrics=None)
+        attempt = AttemptRun(executor, AttemptPlan("r-1", 1, PROMPT, 4, True), "decode-0", Stream())
+        with mock.patch.object(pool, "start_prefill", return_value=call):
+            attempt._start_prefill(pool.loads["prefill-0"], {"request_id": "r-1"})
+        assert pool.loads["prefill-0"].inflight == 1
+        await attempt.close()  # no turn of the loop in between
+        assert call.cancelled and pool.loads["prefill-0"].inflight == 0
+
+    asyncio.run(main())
+
+
+def test_closing_an_attempt_keeps_the_callers_own_cancellation():
+    """A client's cancellation that lands while ``close`` waits for the attempt's cancelled read
+    still reaches the caller (which would otherwise go on to its next attempt for nobody), and
+    the decode stream is cancelled all the same."""
+    from serve_app.config.settings import TimeoutsConfig
+    from serve_app.router.cdcp import AttemptRun
+    from serve_app.router.pool import EnginePool
+    from serve_app.router.recompute import AttemptPlan
+
+    class Stream:
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def slow_to_stop() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.2)  # its cancellation takes a while to finish
+            raise
+
+    async def main() -> None:
+        executor = SimpleNamespace(pool=EnginePool({}), timeouts=TimeoutsConfig(), metrics=None)
+        stream = Stream()
+        attempt = AttemptRun(executor, AttemptPlan("r-1", 1, PROMPT, 4, True), "decode-0", stream)
+        attempt.next_item = asyncio.ensure_future(slow_to_stop())
+        await asyncio.sleep(0)
+        closing = asyncio.ensure_future(attempt.close())
+        await asyncio.sleep(0.05)
+        closing.cancel()  # the client leaves meanwhile
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert stream.cancelled
+
+    asyncio.run(main())
 
 
 def test_a_handle_stream_closed_early_releases_everything(tiny_tokenizer):
