@@ -54,13 +54,14 @@ that waited is closed, failing what it carried): it is then failed at once when 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import socket
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,7 @@ logger = logging.getLogger("pd_serve.kv")
 
 SETTLED_MEMORY = 4096  # transfer ids remembered after they ended: their late frames are dropped
 OVERFLOW_MEMORY = 1024
+OVERFLOW_SECRETS = 4  # secrets remembered per transfer whose early frames were dropped
 FRAME_OVERHEAD = 512  # what a queued frame costs besides its payload
 TICK_S = 0.1  # how often deadlines (handshakes, early frames) are checked
 LOG_INTERVAL_S = 10.0  # at most one line per interval about refused or broken connections
@@ -359,7 +361,8 @@ class ConsumerWorker:
         self._early_since: dict[str, float] = {}  # transfer -> when its first early bytes were reserved (monotonic)
         self._early_reading: dict[str, list[Conn]] = {}  # transfer -> connections reading an early payload of it
         self._early_bytes = 0  # stored and reserved
-        self._overflowed: OrderedDict[str, str] = OrderedDict()  # transfer -> why its early frames were dropped
+        # transfer -> (why its early frames were dropped, digests of the secrets they carried)
+        self._overflowed: OrderedDict[str, tuple[str, set[bytes]]] = OrderedDict()
         self._settled: OrderedDict[str, None] = OrderedDict()  # recent transfers over: late frames dropped
         self._done: set[str] = set()  # engine request ids: all frames in
         self._failed: set[str] = set()  # engine request ids: transfer failed
@@ -456,7 +459,7 @@ class ConsumerWorker:
                     if conn.closed or self._closing:
                         raise WireError("the receiver closed the connection")
                     if now >= deadline:
-                        self._overflow(tid, f"{why} for {self.s.early_wait_s:g}s")
+                        self._overflow(tid, f"{why} for {self.s.early_wait_s:g}s", header.secret)
                     self._room.wait(min(TICK_S, deadline - now))
             finally:
                 conn.admitting = False
@@ -512,10 +515,8 @@ class ConsumerWorker:
             self.doorbell.ring()
             raise WireError(f"transfer {header.transfer}: {problem}")
 
-    def _overflow(self, tid: str, why: str) -> None:
-        self._overflowed[tid] = why
-        while len(self._overflowed) > OVERFLOW_MEMORY:
-            self._overflowed.popitem(last=False)
+    def _overflow(self, tid: str, why: str, secret: str) -> None:
+        self._remember_overflow(tid, why, [secret])
         self.rejected_frames += 1
         raise WireError(why)
 
@@ -677,7 +678,7 @@ class ConsumerWorker:
             self._early_since.pop(tid, None)
             frames = self._pop_early(tid)
             self.expired_early_frames += len(frames)
-            self._remember_overflow(tid, f"not armed within {self.s.early_ttl_s:g}s of its first frame")
+            self._remember_overflow(tid, f"not armed within {self.s.early_ttl_s:g}s of its first frame", [f.header.secret for f in frames])
             for conn in {id(f.conn): f.conn for f in frames if f.conn is not None}.values():
                 self._shut_stranger(conn)
 
@@ -687,8 +688,15 @@ class ConsumerWorker:
             conn.shut()
             self.server.refusals.note(f"closed a connection from {conn.peer} whose frames named transfers never armed")
 
-    def _remember_overflow(self, tid: str, why: str) -> None:
-        self._overflowed[tid] = why
+    def _remember_overflow(self, tid: str, why: str, secrets: Iterable[str]) -> None:
+        """Remember that frames naming ``tid`` were dropped unarmed, and the secrets they carried:
+        only frames with the transfer's own secret fail it when it is armed (a stranger who knows
+        or guesses a transfer id must not be able to fail it in advance)."""
+        why, digests = self._overflowed.pop(tid, (why, set()))
+        for secret in secrets:
+            if len(digests) < OVERFLOW_SECRETS:
+                digests.add(_digest(secret))
+        self._overflowed[tid] = (why, digests)
         while len(self._overflowed) > OVERFLOW_MEMORY:
             self._overflowed.popitem(last=False)
 
@@ -743,28 +751,37 @@ class ConsumerWorker:
         self._by_req[spec.req_id] = tid
         self._room.notify_all()  # a reading thread may wait for this very arming
         frames = self._pop_early(tid)
-        if tid in self._overflowed:
-            self._fail(state, f"early frames dropped: {self._overflowed.pop(tid)}")
+        overflowed = self._overflowed.pop(tid, None)
+        if overflowed is not None and _digest(spec.secret) in overflowed[1]:
+            self._fail(state, f"early frames dropped: {overflowed[0]}")
             return
+        ended = done = False
         for frame in frames:
             if self._waiting.get(tid) is not state:
                 break  # failed by an earlier frame of the same batch
-            self._take_early(state, frame)
+            if self._take_early(state, frame):
+                ended |= frame.conn is not None and frame.conn.closed
+                done |= isinstance(frame.header, DoneHeader)
+        if ended and not done and self._waiting.get(tid) is state:
+            # Its producer's connection ended before arming: nothing more comes over it, and
+            # that connection's own end found no transfer bound to it to fail.
+            self._fail(state, "the connection its first frames came over ended before the transfer did")
 
-    def _take_early(self, state: Incoming, frame: ReceivedFrame) -> None:
+    def _take_early(self, state: Incoming, frame: ReceivedFrame) -> bool:
         """A kept frame of a transfer just armed: checked as if it came now; one that does not
-        authenticate is dropped (and its connection, a stranger's, closed)."""
+        authenticate is dropped (and its connection, a stranger's, closed). Whether it was taken."""
         conn = frame.conn
         try:
             self._authenticate(state, frame.header)
-            if conn is not None and self.server.promote(conn):
+            if conn is not None and not conn.closed and self.server.promote(conn):
                 self._bind(conn, state)
             self._check(state, frame.header, frame.payload_len)
         except WireError:
             if conn is not None and not conn.trusted:
                 conn.shut()
-            return  # dropped (and, for bad blocks, the transfer failed)
+            return False  # dropped (and, for bad blocks, the transfer failed)
         self._take(state, frame)
+        return True
 
     def _apply(self, state: Incoming, frame: ReceivedFrame) -> None:
         if self._waiting.get(state.spec.transfer_id) is not state:
@@ -892,3 +909,8 @@ class ConsumerWorker:
             self._room.notify_all()
         self.server.close()
         self.doorbell.close()
+
+
+def _digest(secret: str) -> bytes:
+    """What is kept of a secret a dropped frame carried: enough to recognise it, not to use it."""
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()

@@ -409,11 +409,11 @@ def test_one_connection_cannot_take_the_whole_byte_budget(opened):
 def test_strangers_frames_expire_and_their_connections_are_closed(opened):
     worker = consumer_with(opened, early_ttl_s=0.3, handshake_timeout_s=30.0)
     stranger = fill_with_strangers(worker, opened, 2)
-    stranger.done("t-never", "s", frames=0)
+    stranger.done("t-never", "secret-of-t-never", frames=0)  # its own secret: a late producer's
     assert stranger.closed_by_peer()
     wait_for(lambda: worker._early == {} and worker._early_bytes == 0)
     assert worker.counters()["expired_early_frames"] == 3
-    arm(worker, "d-1", "t-never", [1])  # armed after all, too late: fails at once
+    arm(worker, "d-1", "t-never", [1])  # armed after all, too late: its frames are gone, it fails at once
     assert worker.results() == ({"d-1"}, {"d-1"})
 
 

@@ -123,6 +123,37 @@ def test_consumer_frames_before_arming_are_applied_once_armed(consumer, peers):
     assert "t-1" not in consumer._early and consumer._early_bytes == 0
 
 
+def test_a_transfer_whose_early_frames_connection_ended_fails_when_armed(consumer, peers):
+    """Its producer's connection sent some frames before arming and then ended: that end failed
+    what was bound to the connection then, not this transfer, so arming fails it at once
+    instead of leaving it to its deadline."""
+    peer = peers()
+    secret_a = arm(consumer, "req-a", "t-a", [1])
+    peer.layer("t-a", secret_a, [1], layer_data(1, seed=3)["l0"])  # the connection is trusted now
+    peer.layer("t-b", "secret-of-t-b", [4], layer_data(1, seed=4)["l0"])  # early: t-b is not armed
+    wait_for(lambda: len(consumer._early.get("t-b", [])) == 1)
+    peer.close()
+    assert poll_until(consumer, "req-a") == ({"req-a"}, {"req-a"})
+    arm(consumer, "req-b", "t-b", [4])
+    finished, failed, took = settle(consumer, "req-b")
+    assert failed == {"req-b"} and took < FAST_S
+    assert "ended before the transfer did" in consumer.take_records()["t-b"]["error"]
+
+
+def test_early_frames_complete_before_their_connection_ended_still_land(consumer, peers):
+    """Every frame and the done frame came before arming, then the connection closed: nothing
+    is missing, so the transfer lands."""
+    before = snapshot(consumer.kv.layers)
+    peer = peers()
+    data = deliver(peer, "t-1", "secret-of-t-1", [6, 7], seed=8)
+    wait_for(lambda: len(consumer._early.get("t-1", [])) == 3)
+    peer.close()
+    time.sleep(0.1)
+    arm(consumer, "req-1", "t-1", [6, 7])
+    assert consumer.results() == ({"req-1"}, set())
+    assert_caches_equal(consumer.kv.layers, expected_after(before, [6, 7], data))
+
+
 def test_consumer_failed_frame_fails_it(consumer, peers):
     secret = arm(consumer, "req-1", "t-1", [2, 5])
     peers().failed("t-1", secret, "prefill died")
@@ -327,7 +358,7 @@ def test_unarmed_frames_are_bounded_in_transfers():
     try:
         peer = Peer(port_of(worker))
         for i in range(3):
-            peer.done(f"t-{i}", "s", frames=0)
+            peer.done(f"t-{i}", f"secret-of-t-{i}", frames=0)
         assert peer.closed_by_peer()
         assert set(worker._early) == {"t-0", "t-1"}
         # The transfer whose frame was dropped fails at once when it is armed.
@@ -335,6 +366,20 @@ def test_unarmed_frames_are_bounded_in_transfers():
         assert worker.results() == ({"req-2"}, {"req-2"})
         assert "early frames dropped" in worker.take_records()["t-2"]["error"]
         peer.close()
+        # A stranger's frame dropped so (it names a transfer id, not its secret) fails nothing:
+        # the transfer armed later under that id still lands.
+        stranger = Peer(port_of(worker))
+        stranger.done("t-3", "a guess", frames=0)
+        assert stranger.closed_by_peer() and "t-3" in worker._overflowed
+        secret = arm(worker, "req-3", "t-3", [1])
+        assert worker.results() == (set(), set())
+        producer = Peer(port_of(worker))
+        data = layer_data(1, seed=5)
+        producer.layers("t-3", secret, [1], data)
+        producer.done("t-3", secret, frames=len(LAYERS))
+        assert poll_until(worker, "req-3") == ({"req-3"}, set())
+        stranger.close()
+        producer.close()
     finally:
         worker.close()
 
