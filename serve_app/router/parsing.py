@@ -383,6 +383,18 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
     if request.structured_outputs is not None or request.response_format is not None:
         # A grammar restarts from scratch on every attempt, which would break recompute.
         refuse("response_format", "Structured output (response_format / structured_outputs)")
+    # vLLM's own fields the router would otherwise accept and drop: a client relying on one (a
+    # salted prefix cache for isolation, a truncated prompt) must hear that it is not there.
+    if request.cache_salt is not None:
+        refuse("cache_salt", "cache_salt (a salted prefix cache)")
+    if request.truncate_prompt_tokens is not None:
+        refuse("truncate_prompt_tokens", "truncate_prompt_tokens")
+    if request.priority != 0:
+        refuse("priority", "priority (priority scheduling)")
+    if getattr(request, "logprob_token_ids", None) is not None:  # vLLM 0.23 (Ascend) has no such field
+        refuse("logprob_token_ids", "logprob_token_ids")
+    if request.return_tokens_as_token_ids:
+        refuse("return_tokens_as_token_ids", "return_tokens_as_token_ids")
     if route == "completions":
         if request.echo:
             refuse("echo", "echo")
@@ -393,6 +405,8 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
     else:
         if request.tools:
             refuse("tools", "Tool calling")
+        if request.documents is not None:
+            refuse("documents", "documents (retrieval documents for the chat template)")
         _check_template_kwargs(request, ctx)
 
 

@@ -80,6 +80,12 @@ HOSTILE = {
     "ec_transfer_params": ({"ec_transfer_params": {"x": 1}}, "ec_transfer_params"),
     "vllm_xargs ec_transfer_params": ({"vllm_xargs": {"ec_transfer_params": "x"}}, "vllm_xargs.ec_transfer_params"),
     "structured_outputs of the wrong shape": ({"structured_outputs": []}, None),  # found by the fast fuzzer
+    # vLLM's fields the router does not implement: refused, never accepted and dropped.
+    "cache_salt": ({"cache_salt": "tenant-a"}, "cache_salt"),
+    "truncate_prompt_tokens": ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    "priority": ({"priority": 1}, "priority"),
+    "logprob_token_ids": ({"logprob_token_ids": [5]}, "logprob_token_ids"),
+    "return_tokens_as_token_ids": ({"return_tokens_as_token_ids": True, "logprobs": 1}, "return_tokens_as_token_ids"),
     # Inside msgpack's range but outside the vocabulary: vLLM's own checks, before any engine.
     "logit_bias key outside the vocabulary": ({"logit_bias": {"1000000": 1.0}}, "logit_bias"),
     "negative logit_bias key": ({"logit_bias": {"-1": 1.0}}, "logit_bias"),
@@ -146,6 +152,8 @@ def test_a_client_chat_template_is_refused_unless_the_operator_trusts_clients(ti
         for key in ("tokenize", "return_dict", "tokenizer_kwargs", "conversations", "documents"):
             bad = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {key: True}}
             assert_openai_error(await client.post("/v1/chat/completions", json=bad), 400, f"chat_template_kwargs.{key}")
+        rag = {"messages": messages, "max_tokens": 2, "documents": [{"title": "t", "text": "x"}]}
+        assert_openai_error(await client.post("/v1/chat/completions", json=rag), 400, "documents")
         # Template variables still pass.
         fine = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
         assert (await client.post("/v1/chat/completions", json=fine)).status_code == 200
