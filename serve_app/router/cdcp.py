@@ -22,7 +22,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -188,14 +188,15 @@ class AttemptExecutor:
         prefix_keys: list[int] | None = None,
         request_load: int = 0,
         wait_s: float | None = None,
+        give_up: Callable[[], bool] | None = None,
     ) -> EngineLoad | None:
         """An engine of ``role``; while none is healthy (restarting), wait up to kv_ready_s (or
-        ``wait_s``, if less: what is left of the caller's deadlines)."""
+        ``wait_s``, if less: what is left of the caller's deadlines), or until ``give_up()``."""
         wait = self.timeouts.kv_ready_s if wait_s is None else min(wait_s, self.timeouts.kv_ready_s)
         deadline = time.monotonic() + wait
         while True:
             load = self.pool.pick(role, avoid, prefix_keys, request_load)
-            if load is not None or time.monotonic() >= deadline:
+            if load is not None or time.monotonic() >= deadline or (give_up is not None and give_up()):
                 return load
             await asyncio.sleep(ENGINE_WAIT_POLL_S)
             await self.pool.refresh()
@@ -378,7 +379,12 @@ class AttemptRun:
                 return
             yield KVReadyEvent(item.params, self.decode)
             prefill = await self.executor.pick(
-                "prefill", self.plan.avoid, self.prefix_keys, len(self.plan.prompt_token_ids), wait_s=self._time_left()
+                "prefill",
+                self.plan.avoid,
+                self.prefix_keys,
+                len(self.plan.prompt_token_ids),
+                wait_s=self._time_left(),
+                give_up=lambda: self.leaving,
             )
             if self.leaving:  # the decode engine began stopping while no prefill engine was free
                 yield self._moved()

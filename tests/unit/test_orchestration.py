@@ -351,6 +351,37 @@ def test_closing_an_attempt_cancels_a_prefill_call_whose_task_never_ran():
     asyncio.run(main())
 
 
+def test_waiting_for_a_prefill_engine_ends_at_the_deadline_given_or_when_told_to_give_up():
+    """After KVReady with no prefill engine healthy, the wait for one is bounded by what is left
+    of the attempt's deadlines, and ends as soon as its decode engine starts leaving."""
+    from serve_app.config.settings import TimeoutsConfig
+    from serve_app.router.balancer import EngineLoad
+    from serve_app.router.cdcp import AttemptExecutor
+    from serve_app.router.pool import EnginePool
+
+    async def main() -> None:
+        pool = EnginePool({})
+        pool.loads["prefill-0"] = EngineLoad(name="prefill-0", role="prefill", healthy=False)
+        executor = AttemptExecutor(pool, TimeoutsConfig(kv_ready_s=30.0), recording_router_metrics())
+        with mock.patch.object(pool, "refresh", mock.AsyncMock()):
+            started = time.monotonic()
+            assert await executor.pick("prefill", frozenset(), wait_s=0.3) is None
+            assert time.monotonic() - started < 2
+            leaving = False
+
+            async def leave_soon() -> None:
+                nonlocal leaving
+                await asyncio.sleep(0.3)
+                leaving = True
+
+            started = time.monotonic()
+            asyncio.ensure_future(leave_soon())
+            assert await executor.pick("prefill", frozenset(), give_up=lambda: leaving) is None
+            assert time.monotonic() - started < 2
+
+    asyncio.run(main())
+
+
 def test_closing_an_attempt_keeps_the_callers_own_cancellation():
     """A client's cancellation that lands while ``close`` waits for the attempt's cancelled read
     still reaches the caller (which would otherwise go on to its next attempt for nobody), and
