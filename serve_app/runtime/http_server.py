@@ -187,6 +187,7 @@ def coalescing_http_protocol(
                 self._follow_h11_state()
                 if self._answer_then_close and self.cycle is not None:
                     self.cycle.keep_alive = False
+            self._bound_unread_body()
 
         # httptools' parser callbacks
         def on_message_begin(self) -> None:
@@ -218,8 +219,21 @@ def coalescing_http_protocol(
 
             if self.conn.their_state is h11.IDLE:
                 self._header_begun()  # data came, no whole request header yet
-            else:
+            elif not self._answered_early():
                 self._header_done()
+
+        def _bound_unread_body(self) -> None:
+            """A request answered before its body arrived (a 404, a 413 on its Content-Length)
+            whose body keeps coming: uvicorn drops those bytes, and each one stops its keep-alive
+            timer, which restarts only with the next response; so a peer sending a byte now and
+            then would hold the connection, and a place in ``limit_concurrency``, forever. The
+            rest of that body, and the next request's header, get the header deadline."""
+            if header_timeout_s is not None and self._header_deadline is None and self._answered_early():
+                self._header_deadline = asyncio.get_running_loop().call_later(header_timeout_s, self._header_expired)
+
+        def _answered_early(self) -> bool:
+            cycle = self.cycle
+            return cycle is not None and cycle.response_complete and cycle.more_body
 
         def _header_begun(self) -> None:
             if not self._in_header:

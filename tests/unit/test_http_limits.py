@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import httpx
 import pytest
@@ -50,6 +51,41 @@ def test_a_large_body_is_not_counted_as_header(http):
                 except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
                     refused = True  # answered and closed while the client was still sending
                 assert refused
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+async def _not_found(request: Request) -> JSONResponse:
+    return JSONResponse({"error": "no"}, status_code=404)  # answered without reading the body
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_body_trickled_after_an_early_answer_does_not_hold_the_connection(http):
+    """A request answered before its body came (a 404 here; the router's 413 on Content-Length)
+    whose body keeps coming a byte now and then: each byte stopped uvicorn's keep-alive timer,
+    so the connection was held forever. The header deadline bounds it."""
+
+    def trickle(port: int) -> float:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nabc")
+            assert b" 404 " in sock.recv(65536)
+            started = time.monotonic()
+            try:
+                while time.monotonic() - started < 10:
+                    sock.sendall(b"x")
+                    time.sleep(0.1)
+            except OSError:  # closed by the server
+                pass
+            return time.monotonic() - started
+
+    async def main() -> None:
+        app = Starlette(routes=[Route("/nope", _not_found, methods=["POST"])])
+        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), header_timeout_s=0.5, keep_alive_s=1.0, http=http)
+        try:
+            held = await asyncio.to_thread(trickle, server.address[1])
+            assert held < 5, f"the connection was held {held:.1f} s"
         finally:
             await server.stop()
 
