@@ -58,6 +58,11 @@ class EngineCallServer:
         logger.info("engine call endpoint at %s", self.endpoint.url)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            # Refused before any token check; returning without closing it would have uvicorn
+            # log an error for every such request, whoever sends it.
+            await send({"type": "websocket.close"})
+            return
         if scope["type"] != "http":
             return
         if scope["method"] != "POST" or scope["path"] not in (GENERATE_PATH, RUN_PATH):

@@ -60,11 +60,14 @@ class Decode(EngineServer):
         prompt_tokens = len(request.prompt_token_ids)
         if not params or not params.get("do_remote_prefill"):
             counted = False
-            async for delta in self.runner.generate(request):
-                if not counted and isinstance(delta, TokenDelta):
-                    counted = True
-                    self.count_prompt(prompt_tokens, delta.num_cached_tokens)
-                yield delta
+            # Closed with this generator, at once: the engine aborts the request then, not when
+            # the garbage collector finalises the runner's stream.
+            async with contextlib.aclosing(self.runner.generate(request)) as stream:
+                async for delta in stream:
+                    if not counted and isinstance(delta, TokenDelta):
+                        counted = True
+                        self.count_prompt(prompt_tokens, delta.num_cached_tokens)
+                    yield delta
             return
         kv_ready, callback_url = self.relay.expect(request.request_id)
         request.kv_transfer_params = with_relay(params, callback_url)

@@ -95,6 +95,9 @@ class MetaserverRelay:
             return JSONResponse({"error": "body must be JSON with a request_id"}, status_code=400)
         if request_id != waiting.request_id:
             return JSONResponse({"error": f"this URL answers for another request than {request_id}"}, status_code=403)
+        if waiting.future.done():
+            # The attempt ended (``forget``) while the body was arriving: nobody waits here now.
+            return JSONResponse({"error": "no request is waiting at this URL"}, status_code=404)
         waiting.future.set_result(body)
         return JSONResponse({"status": "ok"})
 

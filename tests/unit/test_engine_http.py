@@ -267,6 +267,35 @@ def test_a_body_nested_too_deep_is_a_400_without_a_traceback(caplog):
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
 
 
+def test_a_websocket_upgrade_is_refused_without_an_error_log(caplog):
+    """uvicorn hands an Upgrade: websocket request to the app as a websocket; returning without
+    closing it had uvicorn log an ERROR per request, from anyone who reaches the port."""
+    import logging
+    import socket
+
+    from serve_app.engines.call_server import EngineCallServer
+
+    def upgrade(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"GET /generate HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            )
+            return sock.recv(4096)
+
+    async def main() -> None:
+        server = EngineCallServer("127.0.0.1", object())
+        try:
+            answer = await asyncio.to_thread(upgrade, int(server.endpoint.url.rsplit(":", 1)[1]))
+            assert answer.startswith(b"HTTP/1.1 403"), answer[:64]
+        finally:
+            await server.stop()
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 def test_an_unreachable_engine_is_described_without_its_address_or_token():
     """A real refused connection: aiohttp's error text names the host and port, the OS error's
     text the address again; the engine client's error keeps the class and the errno's name."""

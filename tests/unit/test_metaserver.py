@@ -128,6 +128,35 @@ def test_forget_cancels_the_future_and_later_callbacks_are_404():
     run(body)
 
 
+def test_a_callback_whose_attempt_ends_while_its_body_arrives_is_a_404():
+    """The connector writes the header and the body apart: the attempt can end (``forget``)
+    between them. That was an InvalidStateError, a 500 and a logged traceback."""
+    import socket
+
+    async def body(relay: MetaserverRelay):
+        _, url = relay.expect("att-1")
+        host_port, path = url.removeprefix("http://").split("/", 1)
+        host, port = host_port.split(":")
+        data = json.dumps(KV_PARAMS).encode()
+
+        def send_in_two(sock: socket.socket) -> None:
+            head = b"POST /%s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path.encode()
+            sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(data))
+
+        sock = socket.create_connection((host, int(port)), timeout=TIMEOUT_S)
+        try:
+            await asyncio.to_thread(send_in_two, sock)
+            await asyncio.sleep(0.2)  # the relay is reading the body
+            relay.forget("att-1")
+            await asyncio.to_thread(sock.sendall, data)
+            answer = await asyncio.to_thread(sock.recv, 4096)
+        finally:
+            sock.close()
+        assert answer.startswith(b"HTTP/1.1 404"), answer[:80]
+
+    run(body)
+
+
 def test_forget_after_resolution_keeps_the_result():
     async def body(relay: MetaserverRelay):
         future, url = relay.expect("att-1")
