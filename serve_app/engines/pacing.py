@@ -5,7 +5,8 @@ frame written and read over the engine's HTTP endpoint, or Ray's object and acto
 through a Serve handle), and on a small host that cost, not pd-serve's or vLLM's own work,
 decides throughput. So a replica spaces out its streams' items to keep their sum under a budget
 (``items_per_s``): a lone stream sends each delta the moment it is ready (no added latency at low
-load), and n concurrent streams each send at most every ``(n - 1) / items_per_s`` seconds, while
+load), and n streams under way (counted from their first output: a request still queued or
+waiting for its KV sends nothing) each send at most every ``(n - 1) / items_per_s`` seconds, while
 the engine merges the steps in between into the next delta. The first delta of a stream (its
 first token) is never held, nor is its last: a stream waits through ``FinishSignal.hold``, which
 ends the moment its request finishes in the engine, since holding the last delta would keep the

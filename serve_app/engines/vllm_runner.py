@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 from typing import Any
 
 from serve_app.engines.pacing import FinishSignal, StreamPacer
@@ -124,7 +124,7 @@ class VLLMRunner:
         outputs = self.llm.generate(tokens_input(request.prompt_token_ids), params, request.request_id)
         try:
             # Closing the engine's stream (however this one ends) aborts the request in vLLM.
-            async with aclosing(outputs), _paced(self.pacer) as pace:
+            async with aclosing(outputs):
                 try:
                     out = await anext(outputs)
                 except CLIENT_ERRORS as exc:
@@ -138,20 +138,23 @@ class VLLMRunner:
                 record["num_cached_tokens"] = out.num_cached_tokens
                 delta = _to_delta(out, num_logprobs)
                 delta.num_cached_tokens = out.num_cached_tokens
-                while True:
-                    record["output_tokens"] += len(delta.token_ids)
-                    record["finish_reason"] = delta.finish_reason
-                    record["stop_reason"] = delta.stop_reason
-                    yield delta
-                    pace.sent()
-                    if delta.finish_reason is not None:
-                        return
-                    # AsyncLLM merges the steps that arrive meanwhile into the next output.
-                    await finish.hold(pace.wait_s())
-                    try:
-                        delta = _to_delta(await anext(outputs), num_logprobs)
-                    except StopAsyncIteration:
-                        return
+                # Paced from its first output on: a request still queued or waiting for its KV
+                # sends nothing, and counting it would hold the streams that do (pacing.py).
+                with self.pacer.stream() as pace:
+                    while True:
+                        record["output_tokens"] += len(delta.token_ids)
+                        record["finish_reason"] = delta.finish_reason
+                        record["stop_reason"] = delta.stop_reason
+                        yield delta
+                        pace.sent()
+                        if delta.finish_reason is not None:
+                            return
+                        # AsyncLLM merges the steps that arrive meanwhile into the next output.
+                        await finish.hold(pace.wait_s())
+                        try:
+                            delta = _to_delta(await anext(outputs), num_logprobs)
+                        except StopAsyncIteration:
+                            return
         finally:
             self._inflight.pop(request.request_id, None)
             self._load.finish_signals.pop(request.request_id, None)
@@ -185,12 +188,6 @@ class VLLMRunner:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
-
-
-@asynccontextmanager
-async def _paced(pacer: StreamPacer) -> AsyncIterator[Any]:
-    with pacer.stream() as pace:
-        yield pace
 
 
 def engine_sampling_params(request: EngineRequest) -> Any:

@@ -86,3 +86,38 @@ def test_the_mock_engine_sends_a_paced_streams_last_delta_when_it_finishes():
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_vllm_streams_are_paced_only_from_their_first_output():
+    """Decode requests still waiting for their KV (or queued) send nothing: counted as paced
+    streams, twenty of them held the one running stream 0.2 s between deltas at 100 items/s."""
+    from types import SimpleNamespace
+
+    from serve_app.engines.vllm_runner import VLLMRunner
+
+    class FakeLLM:
+        async def generate(self, prompt, params, request_id):
+            if request_id != "running":
+                await asyncio.Event().wait()  # its KV never comes
+            for i in range(10):
+                await asyncio.sleep(0.01)
+                done = i == 9
+                completion = SimpleNamespace(token_ids=[i], logprobs=None, finish_reason="length" if done else None, stop_reason=None)
+                yield SimpleNamespace(outputs=[completion], finished=done, num_cached_tokens=0)
+
+    async def main() -> None:
+        runner = VLLMRunner("decode-0", "decode", {}, pacer=StreamPacer(100.0))
+        runner.llm = FakeLLM()
+        params = encode_sampling(SamplingParams(max_tokens=10, temperature=0.0, detokenize=False))
+        waiting = [asyncio.ensure_future(anext(runner.generate(EngineRequest(f"w{i}", [1, 2], params, None)))) for i in range(20)]
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        deltas = [d async for d in runner.generate(EngineRequest("running", [1, 2], params, None))]
+        took = time.monotonic() - started
+        assert sum(len(d.token_ids) for d in deltas) == 10 and took < 0.5, (took, len(deltas))
+        assert runner.pacer.active == 0
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    asyncio.run(main())
