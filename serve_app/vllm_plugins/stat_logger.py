@@ -54,8 +54,8 @@ class SchedulerStatsThrottle:
     """Passes one step's ``SchedulerStats`` on at most every ``interval_s``; the prefix-cache
     stats of the steps held back (the local cache's and the KV connector's) are added to the next
     one passed on, so the counters built from them lose nothing. A step whose stats carry anything
-    else that is counted per step (connector transfers, spec-decode stats, cache evictions) is
-    always passed on."""
+    else that is counted per step (connector transfers, spec-decode stats, cache evictions), or
+    that leaves the engine idle, is always passed on."""
 
     def __init__(self, interval_s: float = SCHEDULER_STATS_INTERVAL_S) -> None:
         self.interval_s = interval_s
@@ -66,7 +66,10 @@ class SchedulerStatsThrottle:
         if stats is None:
             return None
         now = time.monotonic() if now is None else now
-        if now < self._next_at and not _counted_per_step(stats):
+        # An idle engine steps no more: a step that leaves it with nothing running or waiting
+        # always goes on, else its gauges would keep the last busy step's values until traffic.
+        idle = not getattr(stats, "num_running_reqs", 0) and not getattr(stats, "num_waiting_reqs", 0)
+        if now < self._next_at and not idle and not _counted_per_step(stats):
             for name in CACHE_STATS_FIELDS:
                 value = getattr(stats, name, None)
                 if value is not None:

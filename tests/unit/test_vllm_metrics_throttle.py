@@ -86,3 +86,15 @@ def test_held_back_connector_counts_leave_the_shared_step_alone():
 
 def test_no_scheduler_stats_is_passed_through():
     assert SchedulerStatsThrottle().filter(None) is None
+
+
+def test_the_step_that_leaves_the_engine_idle_always_goes_on():
+    """An idle engine steps no more: held back, its last step would leave the gauges (running
+    requests, KV usage) at the busy values until the next request."""
+    throttle = SchedulerStatsThrottle(interval_s=1.0)
+    assert throttle.filter(step(3, queries=5), now=0.0) is not None
+    assert throttle.filter(step(2, queries=5), now=0.1) is None
+    idle = throttle.filter(step(0, queries=5), now=0.2)
+    assert idle is not None and idle.num_running_reqs == 0 and idle.prefix_cache_stats.queries == 10
+    waiting = throttle.filter(step(0, num_waiting_reqs=1), now=0.3)
+    assert waiting is None  # nothing running, one waiting: not idle
