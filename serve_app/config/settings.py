@@ -7,10 +7,11 @@ silently ignored.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # Items per second an engine replica streams, all its requests together (engines/pacing.py).
 DEFAULT_ITEMS_PER_S = 400.0
@@ -153,6 +154,19 @@ class EngineGroupConfig(ScalingConfig):
     )
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _check_cpu_lists(cls, value: Any) -> Any:
+        """Each engine's value as vLLM reads it: auto, nobind, or core lists ("0-3,8"), one per
+        tensor-parallel rank, split by "|"; anything else fails only when the engine starts."""
+        if isinstance(value, list):
+            for entry in value:
+                if not _CPU_BIND.fullmatch(entry):
+                    raise ValueError(
+                        f"cpu_bind entry {entry!r}: give 'auto', 'nobind', or core lists such as '0-3,8' (one per rank, '|' between)"
+                    )
+        return value
     resources: dict[str, float] | None = Field(
         None,
         description=(
@@ -386,10 +400,35 @@ class AppConfig(_Strict):
             )
         if self.router.mode == "colocated" and self.prefill.autoscaled:
             raise ValueError("router.mode 'colocated' sends nothing to prefill engines: prefill cannot autoscale")
+        if self.router.min_replicas < 1:
+            # The router serves HTTP itself (Serve's proxy is off in the shipped configs): with no
+            # replica nothing listens, and Serve sees no demand to scale up from.
+            raise ValueError("router needs at least 1 replica (autoscaling_config.min_replicas): it is the app's HTTP server")
         for role in ("prefill", "decode"):
             group: EngineGroupConfig = getattr(self, role)
             if isinstance(group.cpu_bind, list) and len(group.cpu_bind) < group.initial_replicas:
                 raise ValueError(f"{role}.cpu_bind lists {len(group.cpu_bind)} values for {group.initial_replicas} engines")
+        return self
+
+    @model_validator(mode="after")
+    def _check_engine_kwargs(self) -> AppConfig:
+        """Engine arguments the app owns are refused, and the KV layout must be one for both roles:
+        a prefill engine pushes its blocks as they are into decode's."""
+        places = {"engine_kwargs": self.engine_kwargs, "prefill.engine_kwargs": self.prefill.engine_kwargs}
+        places["decode.engine_kwargs"] = self.decode.engine_kwargs
+        for where, kwargs in places.items():
+            for key in APP_ENGINE_KWARGS & kwargs.keys():
+                raise ValueError(f"{where}.{key} is set by pd-serve itself ({APP_ENGINE_KWARGS[key]})")
+        if self.has_prefill():
+            for key in KV_LAYOUT_KWARGS:
+                prefill = self.prefill.engine_kwargs.get(key, self.engine_kwargs.get(key))
+                decode = self.decode.engine_kwargs.get(key, self.engine_kwargs.get(key))
+                if prefill != decode:
+                    prefill, decode = ("unset" if v is None else repr(v) for v in (prefill, decode))
+                    raise ValueError(
+                        f"prefill's and decode's {key} differ ({prefill} and {decode}): prefill writes its KV blocks "
+                        f"into decode's as they are; set {key} in engine_kwargs, for both roles"
+                    )
         return self
 
     def cpus_short_of(self, cluster_cpus: float) -> str | None:
@@ -460,6 +499,20 @@ class AppConfig(_Strict):
             if kwargs.get("block_size"):
                 return int(kwargs["block_size"])
         return DEFAULT_BLOCK_TOKENS
+
+
+_CPU_LIST = r"\d+(-\d+)?(,\d+(-\d+)?)*"
+_CPU_BIND = re.compile(rf"auto|nobind|{_CPU_LIST}(\|{_CPU_LIST})*")
+
+# Engine arguments pd-serve sets itself, and what to set instead.
+APP_ENGINE_KWARGS = {
+    "kv_transfer_config": "the KV connector, its ports and its checks; use kv_port_base and kv_connector_extra_config",
+    "model": "use the app's model",
+    "max_model_len": "use the app's max_model_len",
+    "served_model_name": "use the app's served_model_name",
+}
+# What decides the bytes of a KV block: prefill's and decode's must match.
+KV_LAYOUT_KWARGS = ("block_size", "dtype", "kv_cache_dtype")
 
 
 class ConfigError(ValueError):

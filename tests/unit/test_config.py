@@ -34,6 +34,12 @@ def test_serve_yaml_is_valid_and_explicit_about_cpus():
         ({"router": {"max_surge_percent": 101}}, "router.max_surge_percent"),
         ({"router": {"max_surge_percent": -1}}, "router.max_surge_percent"),
         ({"decode": {"max_surge_percent": 101}}, "decode.max_surge_percent"),
+        # Core lists vLLM would refuse only when the engine starts.
+        ({"decode": {"cpu_bind": ["all"]}}, "decode.cpu_bind"),
+        ({"prefill": {"cpu_bind": ["0,"]}}, "prefill.cpu_bind"),
+        # What pd-serve sets itself, in any engine_kwargs.
+        ({"decode": {"engine_kwargs": {"kv_transfer_config": {"kv_connector": "X"}}}}, "decode.engine_kwargs.kv_transfer_config"),
+        ({"engine_kwargs": {"model": "other"}}, "engine_kwargs.model"),
     ],
 )
 def test_bad_config_names_the_field(args, field):
@@ -50,6 +56,24 @@ def test_topology_checks():
     with pytest.raises(ConfigError, match="disaggregated"):
         load_config({"prefill": {"num_replicas": 0}, "router": {"mode": "disaggregated"}})
     assert load_config({"prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}}).prefill.num_replicas == 0
+    # The router serves HTTP: never scaled to zero, where nothing would listen to scale it up.
+    with pytest.raises(ConfigError, match="router needs at least 1 replica"):
+        load_config({"router": {"autoscaling_config": {"min_replicas": 0, "max_replicas": 3}}})
+    assert load_config({"decode": {"cpu_bind": ["0-3,8|9-12", "auto", "nobind"], "num_replicas": 3}}).decode.cpu_bind[0] == "0-3,8|9-12"
+
+
+def test_both_roles_must_lay_out_kv_blocks_alike():
+    """Prefill writes its blocks into decode's as they are: a block size, dtype or KV dtype set
+    for one role only broke every push (each request spent its attempts, then a 502)."""
+    for key, value in (("block_size", 64), ("dtype", "bfloat16"), ("kv_cache_dtype", "fp8")):
+        with pytest.raises(ConfigError, match=f"prefill's and decode's {key} differ"):
+            load_config({"prefill": {"engine_kwargs": {key: value}}})
+        assert load_config({"engine_kwargs": {key: value}}).engine_kwargs[key] == value  # for both: fine
+        both = {"prefill": {"engine_kwargs": {key: value}}, "decode": {"engine_kwargs": {key: value}}}
+        assert load_config(both).prefill.engine_kwargs[key] == value
+    # A colocated app has no prefill engine to match.
+    colocated = {"prefill": {"num_replicas": 0, "engine_kwargs": {"block_size": 64}}, "router": {"mode": "colocated"}}
+    assert load_config(colocated).prefill.engine_kwargs["block_size"] == 64
 
 
 def test_pools_take_serves_own_scaling_options():
