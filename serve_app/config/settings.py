@@ -354,8 +354,9 @@ class AppConfig(_Strict):
         ge=1024,
         le=65000,
         description=(
-            "engine i's KV side channel uses kv_port_base + 16*i; on the cpu backend a port found "
-            "busy at start is replaced by a free one (logged, with the holder's pid)"
+            "prefill replica r's KV side channel uses kv_port_base + 16*r, decode's come after twice the most "
+            "prefill engines there can be; on the cpu backend a port found busy at start is replaced by a "
+            "free one (logged, with the holder's pid)"
         ),
     )
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description="merged into both roles' kv_connector_extra_config")
