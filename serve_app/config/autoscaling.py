@@ -44,6 +44,13 @@ CLIENT_REQUESTS = "pd_client_requests"  # router: client requests in progress
 # How far back a replica's latency p90 looks.
 LATENCY_WINDOW_S = 30.0
 
+# What each role's replicas report: a policy reading anything else never sees a value, and holds.
+REPORTED_METRICS = {
+    "prefill": frozenset({RUNNING, WAITING, KV_USAGE, PROMPT_TOKENS, TTFT_P90}),
+    "decode": frozenset({RUNNING, WAITING, KV_USAGE, PROMPT_TOKENS, ITL_P90}),
+    "router": frozenset({CLIENT_REQUESTS}),
+}
+
 DEFAULT_POLICY = {
     "decode": "serve_app.config.autoscaling:DecodeLoadPolicy",
     "prefill": "serve_app.config.autoscaling:PrefillLoadPolicy",
@@ -77,6 +84,8 @@ def _hold(ctx: Any) -> tuple[float, dict[str, Any]]:
 
 
 class DecodeLoadPolicy:
+    reads = frozenset({KV_USAGE, RUNNING, WAITING})
+
     def __init__(self, target_requests: float = 64.0, target_kv_usage: float = 0.7) -> None:
         if target_requests <= 0 or not 0 < target_kv_usage <= 1:
             raise ValueError("DecodeLoadPolicy: target_requests > 0 and 0 < target_kv_usage <= 1")
@@ -96,6 +105,8 @@ class DecodeLoadPolicy:
 
 
 class PrefillLoadPolicy:
+    reads = frozenset({PROMPT_TOKENS})
+
     def __init__(self, target_prompt_tokens: float = 8192.0) -> None:
         if target_prompt_tokens <= 0:
             raise ValueError("PrefillLoadPolicy: target_prompt_tokens > 0")
@@ -109,6 +120,8 @@ class PrefillLoadPolicy:
 
 
 class RouterLoadPolicy:
+    reads = frozenset({CLIENT_REQUESTS})
+
     def __init__(self, target_requests: float = 256.0) -> None:
         if target_requests <= 0:
             raise ValueError("RouterLoadPolicy: target_requests > 0")
@@ -133,6 +146,7 @@ class SLOPolicy:
         if target <= 0 or not 0 < scale_down_below < 1:
             raise ValueError("SLOPolicy: targets > 0 and 0 < scale_down_below < 1")
         self.metric = TTFT_P90 if ttft_p90_s is not None else ITL_P90
+        self.reads = frozenset({self.metric})
         self.target = target
         self.scale_down_below = scale_down_below
 

@@ -106,7 +106,7 @@ def serve_autoscaling_config(config: dict[str, Any], default_policy: str | None)
         merged["policy"] = {"policy_function": default_policy}
     try:
         AutoscalingConfig(**merged)
-    except ImportError as exc:  # Serve imports the policy to check it
+    except (ImportError, AttributeError) as exc:  # Serve imports the policy to check it
         raise ValueError(f"autoscaling_config.policy: cannot import the policy: {exc}") from None
     except (PydanticError, TypeError, ValueError) as exc:
         raise ValueError(f"autoscaling_config: {exc}".replace("\n", " ")) from None
@@ -409,6 +409,8 @@ class AppConfig(_Strict):
             group: EngineGroupConfig = getattr(self, role)
             if isinstance(group.cpu_bind, list) and len(group.cpu_bind) < group.initial_replicas:
                 raise ValueError(f"{role}.cpu_bind lists {len(group.cpu_bind)} values for {group.initial_replicas} engines")
+        for role in ("prefill", "decode", "router"):
+            _check_own_policy(role, getattr(self, role).autoscaling_config)
         return self
 
     @model_validator(mode="after")
@@ -504,6 +506,30 @@ class AppConfig(_Strict):
 
 _CPU_LIST = r"\d+(-\d+)?(,\d+(-\d+)?)*"
 _CPU_BIND = re.compile(rf"auto|nobind|{_CPU_LIST}(\|{_CPU_LIST})*")
+
+def _check_own_policy(role: str, autoscaling_config: dict[str, Any] | None) -> None:
+    """pd-serve's own policies built with their ``policy_kwargs`` now, and matched to the pool's
+    role: Serve builds a policy only in its controller, where a misspelt argument fails out of
+    sight, and a latency policy reading a metric its pool does not report never scales."""
+    from serve_app.config import autoscaling
+
+    policy = (autoscaling_config or {}).get("policy") or {}
+    name = policy.get("policy_function") if isinstance(policy, dict) else None
+    module, _, cls_name = str(name or "").partition(":")
+    if module != autoscaling.__name__:
+        return
+    where = f"{role}.autoscaling_config.policy"
+    cls = getattr(autoscaling, cls_name, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"{where}: {autoscaling.__name__} has no policy {cls_name!r}")
+    try:
+        built = cls(**(policy.get("policy_kwargs") or {}))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}.policy_kwargs: {exc}") from None
+    missing = sorted(set(getattr(built, "reads", ())) - autoscaling.REPORTED_METRICS[role])
+    if missing:
+        raise ValueError(f"{where}: {cls_name} reads {', '.join(missing)}, which {role} replicas do not report")
+
 
 # Engine arguments pd-serve sets itself, and what to set instead.
 APP_ENGINE_KWARGS = {

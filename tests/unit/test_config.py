@@ -62,6 +62,26 @@ def test_topology_checks():
     assert load_config({"decode": {"cpu_bind": ["0-3,8|9-12", "auto", "nobind"], "num_replicas": 3}}).decode.cpu_bind[0] == "0-3,8|9-12"
 
 
+POLICY = "serve_app.config.autoscaling:"
+
+
+@pytest.mark.parametrize(
+    ("role", "policy", "message"),
+    [
+        ("decode", {"policy_function": POLICY + "DecodeLoadPolicy", "policy_kwargs": {"target_request": 8}}, "target_request"),
+        ("decode", {"policy_function": POLICY + "SLOPolicy", "policy_kwargs": {"ttft_p90_s": 0.5}}, "decode replicas do not report"),
+        ("router", {"policy_function": POLICY + "DecodeLoadPolicy"}, "router replicas do not report"),
+        ("prefill", {"policy_function": POLICY + "PrefillLoadPolicy", "policy_kwargs": {"target_prompt_tokens": 0}}, "> 0"),
+        ("decode", {"policy_function": POLICY + "NoSuchPolicy"}, "cannot import the policy"),
+    ],
+)
+def test_pd_serves_own_policies_are_built_and_matched_to_their_role_at_load(role, policy, message):
+    """Serve builds a policy only in its controller, where a misspelt argument fails out of sight;
+    and a policy reading a metric its pool does not report holds its pool's size forever."""
+    with pytest.raises(ConfigError, match=message):
+        load_config({role: {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "policy": policy}}})
+
+
 def test_both_roles_must_lay_out_kv_blocks_alike():
     """Prefill writes its blocks into decode's as they are: a block size, dtype or KV dtype set
     for one role only broke every push (each request spent its attempts, then a 502)."""
