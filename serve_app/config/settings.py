@@ -414,6 +414,21 @@ class AppConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_side_channel_limits(self) -> AppConfig:
+        """pd-serve's KV side channel (cpu backend) reads its bounds from kv_connector_extra_config:
+        checked here, where a bad one is named, not in each engine when it starts (a non-number)
+        or at the first transfer (a zero refuses every connection)."""
+        from serve_app.wire.kv_limits import EXTRA_LIMITS, limit_problem
+
+        if self.backend == "ascend":  # vllm-ascend's connector reads its own keys
+            return self
+        for name in EXTRA_LIMITS.keys() & self.kv_connector_extra_config.keys():
+            problem = limit_problem(name, self.kv_connector_extra_config[name])
+            if problem is not None:
+                raise ValueError(f"kv_connector_extra_config.{problem}")
+        return self
+
+    @model_validator(mode="after")
     def _check_engine_kwargs(self) -> AppConfig:
         """Engine arguments the app owns are refused, and the KV layout must be one for both roles:
         a prefill engine pushes its blocks as they are into decode's."""

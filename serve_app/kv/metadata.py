@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from serve_app.wire.kv_limits import EXTRA_LIMITS
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -81,25 +83,10 @@ class Settings:
             max_model_len=int(vllm_config.model_config.max_model_len),
             is_producer=bool(ktc.is_kv_producer),
             recv_timeout_s=float(extra.get("recv_timeout_s", DEFAULT_RECV_TIMEOUT_S)),
-            **{name: kind(extra[name]) for name, kind in _EXTRA_LIMITS.items() if name in extra},
+            **{name: kind(extra[name]) for name, kind in EXTRA_LIMITS.items() if name in extra},
         )
 
 
-# kv_connector_extra_config keys read as they are named in Settings (their defaults are Settings').
-_EXTRA_LIMITS: dict[str, type] = {
-    "max_connections": int,
-    "max_connections_per_peer": int,
-    "max_pending_connections": int,
-    "max_pending_per_peer": int,
-    "handshake_timeout_s": float,
-    "max_early_transfers": int,
-    "max_early_bytes": int,
-    "max_early_transfers_per_connection": int,
-    "max_early_bytes_per_connection": int,
-    "early_wait_s": float,
-    "early_ttl_s": float,
-    "ack_timeout_s": float,
-}
 
 
 @dataclass

@@ -40,6 +40,10 @@ def test_serve_yaml_is_valid_and_explicit_about_cpus():
         # What pd-serve sets itself, in any engine_kwargs.
         ({"decode": {"engine_kwargs": {"kv_transfer_config": {"kv_connector": "X"}}}}, "decode.engine_kwargs.kv_transfer_config"),
         ({"engine_kwargs": {"model": "other"}}, "engine_kwargs.model"),
+        # The KV side channel's bounds: positive numbers (a 0 refused every connection).
+        ({"kv_connector_extra_config": {"max_connections": 0}}, "kv_connector_extra_config.max_connections"),
+        ({"kv_connector_extra_config": {"early_ttl_s": "soon"}}, "kv_connector_extra_config.early_ttl_s"),
+        ({"kv_connector_extra_config": {"max_early_bytes": 1.5}}, "kv_connector_extra_config.max_early_bytes"),
     ],
 )
 def test_bad_config_names_the_field(args, field):
