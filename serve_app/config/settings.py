@@ -432,8 +432,11 @@ class AppConfig(_Strict):
     def _check_engine_kwargs(self) -> AppConfig:
         """Engine arguments the app owns are refused, and the KV layout must be one for both roles:
         a prefill engine pushes its blocks as they are into decode's."""
-        places = {"engine_kwargs": self.engine_kwargs, "prefill.engine_kwargs": self.prefill.engine_kwargs}
-        places["decode.engine_kwargs"] = self.decode.engine_kwargs
+        places = {
+            "engine_kwargs": self.engine_kwargs,
+            "prefill.engine_kwargs": self.prefill.engine_kwargs,
+            "decode.engine_kwargs": self.decode.engine_kwargs,
+        }
         for where, kwargs in places.items():
             for key in APP_ENGINE_KWARGS & kwargs.keys():
                 raise ValueError(f"{where}.{key} is set by pd-serve itself ({APP_ENGINE_KWARGS[key]})")
@@ -521,6 +524,7 @@ class AppConfig(_Strict):
 
 _CPU_LIST = r"\d+(-\d+)?(,\d+(-\d+)?)*"
 _CPU_BIND = re.compile(rf"auto|nobind|{_CPU_LIST}(\|{_CPU_LIST})*")
+
 
 def _check_own_policy(role: str, autoscaling_config: dict[str, Any] | None) -> None:
     """pd-serve's own policies built with their ``policy_kwargs`` now, and matched to the pool's

@@ -240,7 +240,7 @@ class ProducerWorker:
         """After the step's forward: account the step, and close transfers whose prompt is done
         (once decode acknowledged them: module docstring)."""
         now = time.time()
-        awaiting: list[tuple[str, Link]] = []
+        awaiting: list[tuple[SendSpec, Link]] = []
         self._end_aborted(meta)
         for spec in meta.send:
             tid = spec.transfer_id
@@ -252,11 +252,11 @@ class ProducerWorker:
             if not (spec.last_chunk or spec.error or tid in self._broken):
                 continue
             if tid in self._done_sent:
-                awaiting.append((tid, self._done_sent[tid]))
+                awaiting.append((spec, self._done_sent[tid]))
                 continue
             reason = spec.error or self._broken.get(tid)
             if reason:
-                parts = encode_frame(KIND_FAILED, self.compat, {"transfer": tid, "secret": spec.secret, "reason": reason})
+                parts = self._failed_frame(spec, reason)
             else:
                 parts = encode_frame(KIND_DONE, self.compat, {"transfer": tid, "secret": spec.secret, "frames": self._frames.get(tid, 0)})
             try:
@@ -264,17 +264,17 @@ class ProducerWorker:
             except OSError as exc:
                 reason = reason or f"done signal failed: {exc!r}"
             if reason:
-                self._finish(tid, reason)
+                self._finish(spec, reason)
             else:
-                awaiting.append((tid, link))
+                awaiting.append((spec, link))
         self._step_layers.clear()
         self._done_sent.clear()
         deadline = time.monotonic() + self.s.ack_timeout_s
-        for tid, link in awaiting:
-            problem = link.wait_ack(tid, deadline)
+        for spec, link in awaiting:
+            problem = link.wait_ack(spec.transfer_id, deadline)
             if problem is not None:
-                logger.warning("transfer %s: push failed: %s", tid, printable(problem))
-            self._finish(tid, problem)
+                logger.warning("transfer %s: push failed: %s", spec.transfer_id, printable(problem))
+            self._finish(spec, problem)
 
     def _end_aborted(self, meta: LayerwiseMetadata) -> None:
         """Requests that finished between chunks of their push (aborted): their transfer ends
@@ -284,15 +284,18 @@ class ProducerWorker:
             if spec is None:
                 continue
             reason = "the prefill request was aborted before its push ended"
-            parts = encode_frame(KIND_FAILED, self.compat, {"transfer": spec.transfer_id, "secret": spec.secret, "reason": reason})
             try:
-                self.sender.send(spec.host, spec.port, parts)
+                self.sender.send(spec.host, spec.port, self._failed_frame(spec, reason))
             except OSError:
                 pass  # decode fails it at its deadline
-            self._finish(spec.transfer_id, reason)
+            self._finish(spec, reason)
 
-    def _finish(self, tid: str, reason: str | None) -> None:
-        self._open = {req_id: spec for req_id, spec in self._open.items() if spec.transfer_id != tid}
+    def _failed_frame(self, spec: SendSpec, reason: str) -> list[bytes | memoryview]:
+        return encode_frame(KIND_FAILED, self.compat, {"transfer": spec.transfer_id, "secret": spec.secret, "reason": reason})
+
+    def _finish(self, spec: SendSpec, reason: str | None) -> None:
+        tid = spec.transfer_id
+        self._open.pop(spec.req_id, None)
         record = self._records.pop(tid)
         record["outcome"] = "failed" if reason else "done"
         if reason:

@@ -228,8 +228,8 @@ def coalescing_http_protocol(
             timer, which restarts only with the next response; so a peer sending a byte now and
             then would hold the connection, and a place in ``limit_concurrency``, forever. The
             rest of that body, and the next request's header, get the header deadline."""
-            if header_timeout_s is not None and self._header_deadline is None and self._answered_early():
-                self._header_deadline = asyncio.get_running_loop().call_later(header_timeout_s, self._header_expired)
+            if self._answered_early():
+                self._start_header_deadline()
 
         def _answered_early(self) -> bool:
             cycle = self.cycle
@@ -238,6 +238,9 @@ def coalescing_http_protocol(
         def _header_begun(self) -> None:
             if not self._in_header:
                 self._in_header, self._header_bytes, self._header_tail = True, 0, b""
+            self._start_header_deadline()
+
+        def _start_header_deadline(self) -> None:
             if header_timeout_s is not None and self._header_deadline is None:
                 self._header_deadline = asyncio.get_running_loop().call_later(header_timeout_s, self._header_expired)
 
