@@ -121,7 +121,8 @@ class VLLMRunner:
         record: dict[str, Any] = {"prompt_tokens": len(request.prompt_token_ids), "output_tokens": 0, "finish_reason": None}
         self.requests.put(request.request_id, record)
         finish = self._load.finish_signals[request.request_id] = FinishSignal()
-        outputs = self.llm.generate(tokens_input(request.prompt_token_ids), params, request.request_id)
+        prompt = tokens_input(request.prompt_token_ids, cache_salt=request.cache_salt)
+        outputs = self.llm.generate(prompt, params, request.request_id)
         try:
             # Closing the engine's stream (however this one ends) aborts the request in vLLM.
             async with aclosing(outputs):

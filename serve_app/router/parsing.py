@@ -105,6 +105,9 @@ class ParsedRequest:
     min_tokens: int
     logprobs: int | None  # top-k per token; None when not requested
     return_token_ids: bool
+    # vLLM's cache_salt (validated by its protocol: a non-empty string): every engine request of
+    # every attempt carries it, and the router's prefix keys start from it.
+    cache_salt: str | None = None
 
 
 def _longest_token_chars(tokenizer: Any) -> int:
@@ -246,6 +249,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         min_tokens=int(request.min_tokens or 0),
         logprobs=logprobs,
         return_token_ids=bool(request.return_token_ids),
+        cache_salt=request.cache_salt,
     )
 
 
@@ -384,9 +388,7 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
         # A grammar restarts from scratch on every attempt, which would break recompute.
         refuse("response_format", "Structured output (response_format / structured_outputs)")
     # vLLM's own fields the router would otherwise accept and drop: a client relying on one (a
-    # salted prefix cache for isolation, a truncated prompt) must hear that it is not there.
-    if request.cache_salt is not None:
-        refuse("cache_salt", "cache_salt (a salted prefix cache)")
+    # truncated prompt, a priority) must hear that it is not there.
     if request.truncate_prompt_tokens is not None:
         refuse("truncate_prompt_tokens", "truncate_prompt_tokens")
     if request.priority != 0:

@@ -234,9 +234,11 @@ class EnginePool:
     def has_healthy(self, role: Role) -> bool:
         return any(load.healthy for load in self.of_role(role))
 
-    def prefix_keys(self, token_ids: list[int]) -> list[int]:
+    def prefix_keys(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
         """The prompt's block keys for ``pick`` (none when routing by load alone)."""
-        return chain_keys(token_ids, self.prefix.block_tokens) if self.prefix is not None else []
+        if self.prefix is None:
+            return []
+        return chain_keys(token_ids, self.prefix.block_tokens, cache_salt=cache_salt)
 
     def pick(
         self, role: Role, avoid: frozenset[str] = frozenset(), prefix_keys: list[int] | None = None, request_load: int = 0

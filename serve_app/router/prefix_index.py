@@ -24,6 +24,7 @@ a new prefix on the same engine, and one engine joining or leaving moves only it
 from __future__ import annotations
 
 import functools
+import hashlib
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -33,15 +34,24 @@ from collections.abc import Callable, Iterable, Sequence
 MAX_BLOCKS = 64
 
 
-def chain_keys(token_ids: Sequence[int], block_tokens: int, max_blocks: int = MAX_BLOCKS) -> list[int]:
-    """The keys of the prompt's whole blocks, first to last (at most ``max_blocks``)."""
+def chain_keys(token_ids: Sequence[int], block_tokens: int, max_blocks: int = MAX_BLOCKS, cache_salt: str | None = None) -> list[int]:
+    """The keys of the prompt's whole blocks, first to last (at most ``max_blocks``). A request's
+    ``cache_salt`` starts the chain, as it does vLLM's block hashes: an engine holds a salted
+    prefix only for requests with the same salt."""
     keys: list[int] = []
-    key = 0
+    key = 0 if cache_salt is None else salt_key(cache_salt)
     n = min(len(token_ids) // block_tokens, max_blocks)
     for i in range(n):
         key = hash((key, *token_ids[i * block_tokens : (i + 1) * block_tokens]))
         keys.append(key)
     return keys
+
+
+@functools.lru_cache(maxsize=4096)
+def salt_key(cache_salt: str) -> int:
+    """A chain's first key for a salted prompt: the same in every router replica (``hash(str)``
+    is not), and apart from the unsalted chain's 0."""
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big") | 1
 
 
 @functools.lru_cache(maxsize=4096)

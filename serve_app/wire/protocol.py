@@ -44,6 +44,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling_params: bytes
     kv_transfer_params: dict[str, Any] | None = None
+    # The client's prefix-cache salt (vLLM's ``cache_salt``): the engine keys the prompt's cached
+    # blocks with it, so only requests with the same salt share them.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -108,3 +108,24 @@ def test_a_prefix_moves_on_only_once_its_engine_is_past_the_bound(app):
     # request's load r); the other engine takes one by the fourth.
     assert order[:2] == [home, home] and first_away is not None and first_away <= 3, order
     wait_idle(app)
+
+
+def test_a_cache_salt_shares_cached_prefixes_only_between_requests_with_that_salt(baseline_app):
+    """vLLM's cache_salt through pd-serve (one engine, so every request meets the same cache): a
+    prefix cached under one salt is a hit for that salt only; the salt never changes the output."""
+    prefix = token_pattern(2 * BLOCK, seed=730)
+    (engine,) = [n for n, e in baseline_app.snapshot()["engines"].items() if e["role"] == "decode"]
+
+    def hits_and_tokens(salt: str | None, suffix_seed: int) -> tuple[int, list[int]]:
+        prompt = prefix + token_pattern(20, seed=suffix_seed)
+        before = baseline_app.snapshot()["engines"][engine]["prefix_hit_tokens_total"]
+        _, tokens = completion_ids(baseline_app, prompt, max_tokens=8, **({} if salt is None else {"cache_salt": salt}))
+        return baseline_app.snapshot()["engines"][engine]["prefix_hit_tokens_total"] - before, tokens
+
+    # (salt, the prefix tokens the engine's cache holds for it by then)
+    for turn, (salt, hits) in enumerate([("tenant-a", 0), ("tenant-a", 2 * BLOCK), ("tenant-b", 0), (None, 0), (None, 2 * BLOCK)]):
+        assert hits_and_tokens(salt, 7300 + turn)[0] == hits, (turn, salt)
+    # The same prompt under a salt whose cache holds it, another salt, and none: one output.
+    outputs = [hits_and_tokens(salt, 7399)[1] for salt in ("tenant-a", "tenant-c", None)]
+    assert outputs[0] == outputs[1] == outputs[2]
+    wait_idle(baseline_app)

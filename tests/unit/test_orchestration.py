@@ -940,3 +940,73 @@ def test_prefix_routing_keeps_each_prefix_on_one_prefill_and_one_decode_engine(t
 
     app_args = args(prefill={"num_replicas": 2}, router={"balancer": "prefix", "prefix": {"block_tokens": block}})
     run(body, app_args, tiny_tokenizer, recording_router_metrics())
+
+
+def _record_engine_requests(app: App) -> list[tuple[str, Any]]:
+    """Every EngineRequest an engine is given, as (engine, request), from now on."""
+    seen: list[tuple[str, Any]] = []
+    for name, engine in app.engines.items():
+        original = engine.runner.generate
+
+        def generate(request: Any, _name: str = name, _original: Any = original) -> Any:
+            seen.append((_name, request))
+            return _original(request)
+
+        engine.runner.generate = generate
+    return seen
+
+
+def test_a_cache_salt_reaches_both_engines_and_keys_the_prefix_routing(tiny_tokenizer, transport):
+    """vLLM's cache_salt: the decode and the prefill engine both get it (each keys its prefix
+    cache with it), and cache-aware routing keys the prompt's blocks with it as well, so a salted
+    prompt goes where that salt's blocks are, not where the unsalted prompt's are."""
+    from serve_app.router.prefix_index import chain_keys, rendezvous
+
+    block = 16
+    prompt = [300 + i % 7 for i in range(4 * block)] + [9]
+    decodes, prefills = ["decode-0", "decode-1"], ["prefill-0", "prefill-1"]
+
+    def home(salt: str | None) -> tuple[str, str]:
+        first = chain_keys(prompt, block, cache_salt=salt)[0]
+        return rendezvous(first, decodes), rendezvous(first, prefills)
+
+    # A salt whose blocks' home differs from the unsalted prompt's in both roles: the two
+    # prefixes then load each role's engines evenly, and the imbalance bound never moves one.
+    def apart(s: str) -> bool:
+        return all(a != b for a, b in zip(home(s), home(None)))
+
+    salt = next((s for s in (f"tenant-{i}" for i in range(64)) if apart(s)), None)
+    assert salt is not None
+
+    async def body(app: App) -> None:
+        seen = _record_engine_requests(app)
+        for cache_salt in (None, salt, None, salt):
+            extra = {} if cache_salt is None else {"cache_salt": cache_salt}
+            before = len(seen)
+            status, data = await completion(app, prompt, **extra)
+            assert status == 200 and data["choices"][0]["token_ids"] == expected(prompt, 8)
+            calls = seen[before:]
+            assert sorted(name.split("-")[0] for name, _ in calls) == ["decode", "prefill"], calls
+            assert all(request.cache_salt == cache_salt for _, request in calls), calls
+            engines = {name.split("-")[0]: name for name, _ in calls}
+            assert (engines["decode"], engines["prefill"]) == home(cache_salt)
+
+    router = {"balancer": "prefix", "prefix": {"block_tokens": block}, "engine_transport": transport}
+    run(body, args(prefill={"num_replicas": 2}, router=router), tiny_tokenizer)
+
+
+def test_a_resumed_attempt_keeps_the_cache_salt(tiny_tokenizer):
+    async def body(app: App) -> None:
+        seen = _record_engine_requests(app)
+        prompts = [[40 + i] * 10 for i in range(6)]
+        results = await asyncio.gather(*(completion(app, p, max_tokens=60, cache_salt=f"salt-{i}") for i, p in enumerate(prompts)))
+        for i, (status, data) in enumerate(results):
+            assert status == 200 and data["choices"][0]["token_ids"] == expected(prompts[i], 60), i
+        resumed = [request for _, request in seen if not request.request_id.endswith("-1")]
+        assert resumed, "no request was resumed: the KV pressure did not bite"
+        for _, request in seen:
+            # The attempt id is "<response id>-<n>"; each prompt's first ten tokens name its salt.
+            assert request.cache_salt == f"salt-{request.prompt_token_ids[0] - 40}", request
+
+    pressure = args(router={"max_attempts": 30}, mock={"decode_step_s": 0.001, "kv_capacity_tokens": 200})
+    run(body, pressure, tiny_tokenizer)

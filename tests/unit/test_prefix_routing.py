@@ -47,6 +47,9 @@ def test_keys_name_whole_prefixes_block_by_block():
     assert chain_keys(list(range(100 * B)), B, max_blocks=10) == chain_keys(list(range(10 * B)), B)
     # Block 2's key depends on block 1: the same tokens after another first block are another key.
     assert chain_keys([1] * B + [2] * B, B)[1] != chain_keys([3] * B + [2] * B, B)[1]
+    # A cache_salt starts the chain, as in vLLM's block hashes: each salt's blocks are its own.
+    salted = {salt: chain_keys(prompt(1), B, cache_salt=salt) for salt in (None, "a", "b")}
+    assert len({keys[0] for keys in salted.values()}) == 3 and salted["a"] == chain_keys(prompt(1), B, cache_salt="a")
 
 
 def test_keys_and_choices_are_the_same_in_every_process():
@@ -55,7 +58,8 @@ def test_keys_and_choices_are_the_same_in_every_process():
     code = (
         "from serve_app.router.prefix_index import chain_keys, rendezvous\n"
         "keys = chain_keys(list(range(64)), 4)\n"
-        "print(keys[-1], rendezvous(keys[3], [f'decode-{i}' for i in range(50)]))\n"
+        "salted = chain_keys(list(range(64)), 4, cache_salt='tenant-a')\n"
+        "print(keys[-1], salted[-1], rendezvous(keys[3], [f'decode-{i}' for i in range(50)]))\n"
     )
     outputs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed}).stdout

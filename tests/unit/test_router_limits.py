@@ -80,8 +80,8 @@ HOSTILE = {
     "ec_transfer_params": ({"ec_transfer_params": {"x": 1}}, "ec_transfer_params"),
     "vllm_xargs ec_transfer_params": ({"vllm_xargs": {"ec_transfer_params": "x"}}, "vllm_xargs.ec_transfer_params"),
     "structured_outputs of the wrong shape": ({"structured_outputs": []}, None),  # found by the fast fuzzer
+    "empty cache_salt": ({"cache_salt": ""}, "cache_salt"),
     # vLLM's fields the router does not implement: refused, never accepted and dropped.
-    "cache_salt": ({"cache_salt": "tenant-a"}, "cache_salt"),
     "truncate_prompt_tokens": ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
     "priority": ({"priority": 1}, "priority"),
     "logprob_token_ids": ({"logprob_token_ids": [5]}, "logprob_token_ids"),
