@@ -67,6 +67,12 @@ def _warn_if_cluster_is_short(config: Any) -> None:
         logger.warning("pd-serve config: %s", short)
 
 
+def _warn_if_prefill_idle(config: Any) -> None:
+    idle = config.idle_prefill()
+    if idle:
+        logger.warning("pd-serve config: %s", idle)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The application of ``configs/serve.yaml`` (Serve calls app builders with the args alone)."""
     return build_app_with(args, Plugins())
@@ -82,6 +88,7 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
 
     config = load_config(args)
     _warn_if_cluster_is_short(config)
+    _warn_if_prefill_idle(config)
     config_data = config.deployment_args()
     cores = list(replicas_keep_off(config))
     engines = {}

@@ -473,6 +473,18 @@ class AppConfig(_Strict):
             "replicas beyond what it can place stay PENDING until nodes join"
         )
 
+    def idle_prefill(self) -> str | None:
+        """Why the prefill engines would start and never work (None: they would work). Colocated
+        mode sends prefill nothing, yet its replicas start, each with a vLLM engine and, on the
+        CPU backend, a core of its own: configs/serve.yaml says ``prefill.num_replicas: 1``,
+        which switching its ``router.mode`` alone keeps."""
+        if self.router.mode == "colocated" and self.prefill.initial_replicas > 0:
+            return (
+                f"router.mode 'colocated' sends nothing to prefill engines, yet prefill.num_replicas is "
+                f"{self.prefill.initial_replicas}: they start and stay idle (set prefill.num_replicas: 0)"
+            )
+        return None
+
     def has_prefill(self) -> bool:
         """Whether the app runs prefill engines (a prefill deployment)."""
         return self.prefill.initial_replicas > 0 or self.prefill.autoscaled

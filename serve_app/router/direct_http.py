@@ -133,6 +133,8 @@ def openai_app(service: RouterService) -> Starlette:
         return JSONResponse(await service.engine_view(full))
 
     async def http_error(request: Request, exc: Any) -> Response:
+        # A path or method no route serves: counted like the routes' own refusals.
+        service.refused("other", exc.status_code)
         return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code)
 
     return Starlette(

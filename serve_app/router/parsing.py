@@ -397,9 +397,9 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
         refuse("logprob_token_ids", "logprob_token_ids")
     if request.return_tokens_as_token_ids:
         refuse("return_tokens_as_token_ids", "return_tokens_as_token_ids")
+    if request.echo:  # completions: the prompt before the output; chat: the last message before the reply
+        refuse("echo", "echo")
     if route == "completions":
-        if request.echo:
-            refuse("echo", "echo")
         if request.suffix is not None:
             refuse("suffix", "suffix")
         if request.prompt_embeds is not None:

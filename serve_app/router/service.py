@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -334,8 +334,9 @@ class RouterService:
         engines = {name: {k: v for k, v in engine.items() if k in PUBLIC_ENGINE_FIELDS} for name, engine in snapshot["engines"].items()}
         return {"router": snapshot["router"], "engines": engines}
 
-    def refused(self, route: Route, status: int) -> None:
-        """Account a request refused before parsing (its body too large or too slow)."""
+    def refused(self, route: Route | Literal["other"], status: int) -> None:
+        """Account a request refused before parsing (its body too large or too slow; ``other``:
+        a path or method no route serves)."""
         self._count(route, status)
 
     async def engine_snapshot(self, refresh: bool = True) -> dict[str, Any]:

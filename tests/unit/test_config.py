@@ -60,6 +60,10 @@ def test_topology_checks():
     with pytest.raises(ConfigError, match="disaggregated"):
         load_config({"prefill": {"num_replicas": 0}, "router": {"mode": "disaggregated"}})
     assert load_config({"prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}}).prefill.num_replicas == 0
+    # Colocated with prefill engines: allowed (they are the user's), but said to be idle.
+    assert load_config({"prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}}).idle_prefill() is None
+    assert load_config({"router": {"mode": "disaggregated"}}).idle_prefill() is None
+    assert "prefill.num_replicas: 0" in load_config({"router": {"mode": "colocated"}}).idle_prefill()
     # The router serves HTTP: never scaled to zero, where nothing would listen to scale it up.
     with pytest.raises(ConfigError, match="router needs at least 1 replica"):
         load_config({"router": {"autoscaling_config": {"min_replicas": 0, "max_replicas": 3}}})

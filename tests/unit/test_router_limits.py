@@ -26,7 +26,7 @@ from starlette.routing import Route
 from serve_app.router.direct_http import openai_app, read_body
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError
 from serve_app.runtime.http_server import InReplicaServer, listening_socket
-from tests.support.inprocess import MOCK_ARGS, App
+from tests.support.inprocess import MOCK_ARGS, App, recording_router_metrics
 
 BIG = 2**64 + 5
 PROMPT = [11, 12, 13]
@@ -39,9 +39,9 @@ def app_args(**router: Any) -> dict[str, Any]:
     return out
 
 
-def run(body: Callable[[App, httpx.AsyncClient], Awaitable[None]], tokenizer: Any, **router: Any) -> None:
+def run(body: Callable[[App, httpx.AsyncClient], Awaitable[None]], tokenizer: Any, metrics: Any = None, **router: Any) -> None:
     async def main() -> None:
-        app = await App.start(app_args(**router), tokenizer)
+        app = await App.start(app_args(**router), tokenizer, metrics)
         try:
             transport = httpx.ASGITransport(app=openai_app(app.service))
             async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as client:
@@ -545,3 +545,25 @@ def test_a_kept_alive_client_connection_stays_open_for_keep_alive_s_then_closes(
             await app.stop()
 
     asyncio.run(main())
+
+
+def test_paths_and_methods_no_route_serves_are_counted_like_other_refusals(tiny_tokenizer):
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        assert_openai_error(await client.get("/v1/completions"), 405)
+        assert_openai_error(await client.post("/v1/nothing-here", json={}), 404)
+        errors = app.service.metrics.errors.values
+        assert errors[(("kind", "method_not_allowed"),)] == 1 and errors[(("kind", "not_found"),)] == 1, errors
+        requests = app.service.metrics.requests.values
+        assert requests[(("route", "other"), ("status", "405"))] == 1 and requests[(("route", "other"), ("status", "404"))] == 1
+
+    run(body, tiny_tokenizer, recording_router_metrics())
+
+
+def test_echo_is_refused_on_chat_as_on_completions(tiny_tokenizer):
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        with mock.patch.object(app.service, "_session", side_effect=AssertionError("an engine was asked")):
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": True}
+            assert_openai_error(await client.post("/v1/chat/completions", json=chat), 400, "echo")
+            assert_openai_error(await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "echo": True}), 400, "echo")
+
+    run(body, tiny_tokenizer)
