@@ -151,7 +151,7 @@ def test_concurrent_requests_use_every_engine_and_release_everything(app, baseli
         used = {
             name: sum(1 for a in attempt_ids if info["requests"][a] is not None) for name, info in inspect(app, role, attempt_ids).items()
         }
-        assert all(n > 0 for n in used.values()), f"{role} engines idle under load: {used}"
+        assert len(used) == 2 and all(n > 0 for n in used.values()), f"{role} engines idle under load: {used}"
     for i, prompt in enumerate(prompts):
         assert results[i][1] == completion_ids(baseline_app, prompt, max_tokens=24)[1]
     snap = wait_idle(app)

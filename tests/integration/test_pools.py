@@ -307,6 +307,9 @@ def test_a_redeploy_with_a_changed_decode_engine_argument_under_load_loses_no_re
 
         errors = [error for *_, error in results if error is not None]
         assert not errors, errors
+        # The two hand-overs the test is about really happened under the load.
+        assert new_router != old_router and during > 0, (old_router, new_router, during)
+        assert logs.count("moves off") >= 1, "no stream was on a stopping decode engine"
         for k, ids, tokens, finish, _ in results:
             assert ids is not None and len(ids) == 1 and finish == "length", (k, ids, finish)
             assert tokens == want[k], k

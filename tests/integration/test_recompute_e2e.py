@@ -158,24 +158,41 @@ def test_recompute_under_kv_pressure_is_token_exact(app, baseline_app, cluster):
 
 def test_stop_string_across_attempts_under_pressure(app, baseline_app):
     """A stop string taken from the reference output far enough in that attempts have ended
-    before it: the response still stops exactly there."""
+    before it: the response still stops exactly there.
+
+    The request is resumed for sure: it starts after six long streams are running, three on
+    each decode engine (or more on one), so it is the newest request on an engine whose KV
+    (2,048 tokens) runs out while it is still some hundred tokens from its stop string, and the
+    recompute scheduler gives back the newest request first."""
     body = {"prompt": token_pattern(250, 9), "max_tokens": 640, "ignore_eos": True}
     reference = call(baseline_app, "completions", body)["text"]
     stop = reference[len(reference) * 3 // 4 :][:6]
     assert stop.strip(), "pick a visible stop string"
     expected = reference[: reference.index(stop)]
-    pressure = [
-        threading.Thread(
-            target=call, args=(app, "completions", {"prompt": token_pattern(300, 20 + k), "max_tokens": 640, "ignore_eos": True})
-        )
-        for k in range(4)
-    ]
-    for t in pressure:
+    running = [threading.Event() for _ in range(6)]
+
+    def pressure(k: int) -> None:
+        load = {"prompt": token_pattern(300, 20 + k), "max_tokens": 640, "ignore_eos": True, "stream": True}
+        with requests.post(app.base_url + "/v1/completions", json=load, stream=True, timeout=900) as response:
+            assert response.status_code == 200, response.text
+            for _ in sse_chunks(response):
+                running[k].set()
+
+    pressure_threads = [threading.Thread(target=pressure, args=(k,)) for k in range(len(running))]
+    for t in pressure_threads:
         t.start()
+    for event in running:
+        assert event.wait(300), "a pressure stream never started"
     got = call(app, "completions", {**body, "stop": [stop], "stream": True})
-    for t in pressure:
+    for t in pressure_threads:
         t.join(timeout=900)
     assert got["text"] == expected and got["finish"] == "stop"
+    # The premise: the request was resumed, and its first attempt ended before the stop string.
+    records = {}
+    for engine in inspect(app, "decode", [got["id"] + "-1", got["id"] + "-2"]).values():
+        records.update({a: r for a, r in engine["requests"].items() if r is not None})
+    assert got["id"] + "-2" in records, "the request was never resumed: no stop string across attempts"
+    assert records[got["id"] + "-1"]["output_tokens"] < len(got["tokens"]), records
     wait_idle(app)
 
 

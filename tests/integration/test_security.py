@@ -90,7 +90,7 @@ def test_client_kv_transfer_params_are_refused_at_once(app, target, path, stream
     if where == "top":
         body["kv_transfer_params"] = steering(target)
     else:
-        body["vllm_xargs"] = {"kv_transfer_params": "x"}
+        body["vllm_xargs"] = {"kv_transfer_params": steering(target)}
     started = time.monotonic()
     response = post(app, path, body, timeout=30)
     assert time.monotonic() - started < 1.0
@@ -98,8 +98,10 @@ def test_client_kv_transfer_params_are_refused_at_once(app, target, path, stream
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and "kv_transfer_params" in error["param"]
     # Refused by the router before any engine call (what an engine does with such parameters
-    # is the next test's).
+    # is the next test's): nothing ever calls the client's "metaserver".
     wait_idle(app)
+    time.sleep(0.5)
+    assert target.hits == []
 
 
 def test_the_engine_ignores_kv_transfer_params_in_extra_args(app, target):

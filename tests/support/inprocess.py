@@ -313,11 +313,15 @@ class App:
                 or e["kv_usage"]
                 for e in snap["engines"].values()
             )
+            # Every engine's own count as well: one the router has dropped from its pool (drained,
+            # lost) is in no snapshot, and a request left on it would be a leak all the same.
+            held = {name: e.runner.stats() for name, e in self.engines.items()}
+            busy = busy or any(s.inflight or s.num_running or s.num_waiting or s.kv_usage for s in held.values())
             relays = [getattr(e, "relay", None) for e in self.engines.values()]
             if not busy and not any(r is not None and r.pending for r in relays):
                 return snap
             if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"resources still held: {snap}")
+                raise AssertionError(f"resources still held: {snap}; engines: {held}")
             await asyncio.sleep(0.01)
 
 

@@ -152,6 +152,22 @@ class Peer:
         except TimeoutError:
             return False
 
+    def stays_open(self, timeout_s: float) -> bool:
+        """True if the consumer keeps this connection open for ``timeout_s``, whatever it sends
+        meanwhile (acks are read and dropped: ``closed_by_peer`` would take an ack's first byte
+        for proof of an open connection)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                self.sock.settimeout(left)
+                if self.sock.recv(4096) == b"":
+                    return False
+        except (ConnectionResetError, BrokenPipeError):
+            return False
+        except TimeoutError:
+            pass
+        return not self.reset_while_sending
+
     def close(self) -> None:
         self.sock.close()
 

@@ -359,7 +359,7 @@ def test_a_real_early_frame_waits_out_strangers_that_filled_the_table(opened):
     arm(worker, "d-1", "t-1", [3])
     finished, failed = poll_until(worker, "d-1")
     assert finished == {"d-1"} and failed == set()
-    assert not producer.closed_by_peer(timeout_s=0.2)
+    assert producer.stays_open(timeout_s=0.2)
     for name in LAYERS:
         assert worker.kv.layers[name][3].equal(data[name][0])
 

@@ -898,7 +898,10 @@ def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_r
         metrics = app.service.metrics
         assert metrics.migrations.values == {(("cause", "drain"), ("engine", victim)): 1} and not metrics.errors.values
         assert victim not in app.service.pool.loads
-        await stopping  # it stops once nothing is in flight and no call has come for a while
+        assert app.engines[victim].runner.stats().inflight == 0
+        # It stops once nothing is in flight and no call has come for a while: well before its
+        # drain bound (10 s), which would end it with requests still held.
+        await asyncio.wait_for(stopping, 5)
         assert app.engines[victim]._stopped
 
     app_args = args(router={"mode": "disaggregated", "max_attempts": 1}, decode={"num_replicas": 2})
