@@ -35,6 +35,15 @@ class ResponseFramer:
         self.token_text = token_text
         self._role_sent = False
         self._text_offset = 0
+        self._prompt_ids_sent = False
+
+    def _prompt_ids_once(self) -> list[int] | None:
+        """The prompt's token ids for the stream's first chunk (``return_token_ids``, as vLLM's
+        server sends them), None for every other chunk."""
+        if not self.request.return_token_ids or self._prompt_ids_sent:
+            return None
+        self._prompt_ids_sent = True
+        return list(self.request.prompt_token_ids)
 
     # ------------------------------------------------------------------ streaming
     def chunks(self, emission: Emission) -> list[dict[str, Any]]:
@@ -86,6 +95,7 @@ class ResponseFramer:
             finish_reason=emission.finish_reason,
             stop_reason=emission.stop_reason,
             token_ids=list(emission.token_ids) if self.request.return_token_ids else None,
+            prompt_token_ids=self._prompt_ids_once(),
         )
         self._text_offset += len(emission.text)
         chunk = CompletionStreamResponse(
@@ -117,7 +127,11 @@ class ResponseFramer:
             token_ids=list(token_ids) if token_ids and self.request.return_token_ids else None,
         )
         chunk = ChatCompletionStreamResponse(
-            id=self.request.response_id, created=self.request.created, model=self.request.model, choices=[choice]
+            id=self.request.response_id,
+            created=self.request.created,
+            model=self.request.model,
+            choices=[choice],
+            prompt_token_ids=self._prompt_ids_once(),
         )
         return _dump(chunk, keep_choice_keys=("finish_reason",))
 
@@ -134,6 +148,7 @@ class ResponseFramer:
     ) -> dict[str, Any]:
         use = usage(prompt_tokens, len(token_ids))
         ids = list(token_ids) if self.request.return_token_ids else None
+        prompt_ids = list(self.request.prompt_token_ids) if self.request.return_token_ids else None
         if self.request.route == "chat":
             from vllm.entrypoints.openai.chat_completion.protocol import (
                 ChatCompletionResponse,
@@ -155,6 +170,7 @@ class ResponseFramer:
                 model=self.request.model,
                 choices=[choice],
                 usage=use,
+                prompt_token_ids=prompt_ids,
             )
         else:
             from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
@@ -167,6 +183,7 @@ class ResponseFramer:
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 token_ids=ids,
+                prompt_token_ids=prompt_ids,
             )
             response = CompletionResponse(
                 id=self.request.response_id,
@@ -188,8 +205,11 @@ class ResponseFramer:
         for lp in logprobs:
             token = self.token_text(lp.token_id)
             out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self.token_text(tid): value for tid, value in lp.top} or None)
+            out.token_logprobs.append(json_logprob(lp.logprob))
+            # The legacy API's top_logprobs always holds the sampled token, beside the top k.
+            top = {token: json_logprob(lp.logprob)}
+            top.update((self.token_text(tid), json_logprob(value)) for tid, value in lp.top if tid != lp.token_id)
+            out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(token)
         return out
@@ -207,11 +227,22 @@ class ResponseFramer:
         for lp in logprobs:
             token = self.token_text(lp.token_id)
             top = [
-                ChatCompletionLogProb(token=self.token_text(tid), logprob=value, bytes=list(self.token_text(tid).encode()))
+                ChatCompletionLogProb(token=self.token_text(tid), logprob=json_logprob(value), bytes=list(self.token_text(tid).encode()))
                 for tid, value in lp.top[: self.request.logprobs]
             ]
-            content.append(ChatCompletionLogProbsContent(token=token, logprob=lp.logprob, bytes=list(token.encode()), top_logprobs=top))
+            content.append(
+                ChatCompletionLogProbsContent(token=token, logprob=json_logprob(lp.logprob), bytes=list(token.encode()), top_logprobs=top)
+            )
         return ChatCompletionLogProbs(content=content)
+
+
+MIN_LOGPROB = -9999.0  # what OpenAI and vLLM's server send for an impossible token
+
+
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (a token masked out, e.g. by top_k or allowed_token_ids,
+    under a ``processed_*`` logprobs mode) would be ``-Infinity``, which no JSON parser takes."""
+    return max(value, MIN_LOGPROB)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Any:

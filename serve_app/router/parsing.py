@@ -73,6 +73,8 @@ class ModelContext:
     tokenizer: Any
     trust_request_chat_template: bool = False
     client_template_timeout_s: float = CLIENT_TEMPLATE_TIMEOUT_S
+    # The model's sampling defaults for what a request leaves out (router/sampling_defaults.py).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     encode: PromptEncoder = field(init=False, repr=False)
     # Longer text cannot fit max_model_len tokens whatever it says (no token spells more
     # characters than the vocabulary's longest): refused before the tokenizer spends time on it.
@@ -210,13 +212,14 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
         logprobs = request.logprobs
     _check_lengths(prompt_token_ids, max_tokens, max_tokens_param, "messages" if route == "chat" else "prompt", ctx)
-    if max_tokens is None:
-        max_tokens = ctx.max_model_len - len(prompt_token_ids)
+    if max_tokens is None:  # the model's default, within the room the context leaves (as vLLM)
+        room = ctx.max_model_len - len(prompt_token_ids)
+        max_tokens = min(room, int(ctx.sampling_defaults.get("max_tokens") or room))
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
 
     try:
-        params = request.to_sampling_params(max_tokens, {})
+        params = request.to_sampling_params(max_tokens, dict(ctx.sampling_defaults))
     except _client_errors() as exc:
         raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
 
@@ -397,6 +400,13 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
         refuse("logprob_token_ids", "logprob_token_ids")
     if request.return_tokens_as_token_ids:
         refuse("return_tokens_as_token_ids", "return_tokens_as_token_ids")
+    if not request.spaces_between_special_tokens:  # the router's detokenizer always spaces them
+        refuse("spaces_between_special_tokens", "spaces_between_special_tokens=false")
+    for name in ("return_token_offsets", "return_prompt_text"):  # newer vLLMs' fields
+        if getattr(request, name, None):
+            refuse(name, name)
+    if request.stream_options is not None and getattr(request.stream_options, "continuous_usage_stats", False):
+        refuse("stream_options.continuous_usage_stats", "stream_options.continuous_usage_stats (usage in every chunk)")
     if request.echo:  # completions: the prompt before the output; chat: the last message before the reply
         refuse("echo", "echo")
     if route == "completions":

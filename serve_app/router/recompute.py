@@ -179,6 +179,11 @@ class RecomputeStateMachine:
         if engine is not None:
             self._last_engine = engine
         emission = Emission(logprobs=[] if self._want_logprobs else None)
+        # An engine's own "stop" (stop_reason None or an int) is a stop token, EOS or one of
+        # stop_token_ids (stop strings are the router's; "recomputed" and "moved" are not an end):
+        # its text is left out unless include_stop_str_in_output, as vLLM's detokenizer does.
+        token_stop = delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
+        silent_last = len(delta.token_ids) - 1 if token_stop and not self._stops.include else -1
         for i, token_id in enumerate(delta.token_ids):
             if self.remaining <= 0:
                 break
@@ -189,8 +194,11 @@ class RecomputeStateMachine:
                 self.output_logprobs.append(delta.logprobs[i])
                 assert emission.logprobs is not None
                 emission.logprobs.append(delta.logprobs[i])
+            if i == silent_last:
+                break
             piece = self._text.push(token_id)
-            emission.text += self._stops.feed(piece, can_stop=self.completion_tokens >= self.min_tokens)
+            # Stop strings only past the first min_tokens tokens, as vLLM's detokenizer counts.
+            emission.text += self._stops.feed(piece, can_stop=self.completion_tokens > self.min_tokens)
             if self._stops.matched is not None:
                 return self._finish(emission, "stop", self._stops.matched)
         if delta.finish_reason is None:

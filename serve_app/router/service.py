@@ -146,6 +146,7 @@ class RouterService:
         replica_id: str = "router",
         pools: dict[Role, tuple[Any, Any]] | None = None,
         app_name: str = "",
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         """``engines``: engines given by name, one handle each (the in-process tests); ``pools``:
         each role's deployment handles (for calls, for stats polls), whose replicas join and leave
@@ -159,6 +160,7 @@ class RouterService:
             vocab_size=vocab_size,
             tokenizer=tokenizer,
             trust_request_chat_template=config.router.trust_request_chat_template,
+            sampling_defaults=dict(sampling_defaults or {}),
         )
         self.metrics = metrics
         audit = LeakAudit(

@@ -78,11 +78,15 @@ class PromptEncoder:
 
 
 class StopMatcher:
-    """Finds the earliest stop string in generated text, holding back just enough to be sure.
+    """Finds the first stop string to complete in generated text, holding back just enough to be
+    sure.
 
     Text is released only when no stop string can still begin in it: the last ``longest - 1``
     characters stay pending until more text (or the end) arrives. So a match never needs to look
     at text already released, and a stop string split across deltas or attempts is still found.
+    As in vLLM's detokenizer, a stop string counts only if it ends in the text just fed (text is
+    fed one token at a time), so text fed while stopping was not allowed (``min_tokens``) never
+    completes one later, and of two stop strings the one that completes first wins.
     """
 
     def __init__(self, stops: list[str], include_stop_str_in_output: bool = False) -> None:
@@ -105,7 +109,7 @@ class StopMatcher:
             return text
         self._pending += text
         if can_stop:
-            found = self._earliest_match()
+            found = self._first_completed(len(text))
             if found is not None:
                 index, stop = found
                 self.matched = stop
@@ -123,12 +127,17 @@ class StopMatcher:
         released, self._pending = self._pending, ""
         return released
 
-    def _earliest_match(self) -> tuple[int, str] | None:
+    def _first_completed(self, new_chars: int) -> tuple[int, str] | None:
+        """(start, stop string) of the stop string that ends first within the last ``new_chars``
+        characters of the pending text; ties go to the earlier in the request's list."""
+        if not new_chars:
+            return None
         best: tuple[int, str] | None = None
+        best_end = 0
         for stop in self.stops:
-            index = self._pending.find(stop)
-            if index >= 0 and (best is None or index < best[0]):
-                best = (index, stop)
+            index = self._pending.find(stop, max(0, len(self._pending) - new_chars - len(stop) + 1))
+            if index >= 0 and (best is None or index + len(stop) < best_end):
+                best, best_end = (index, stop), index + len(stop)
         return best
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from serve_app.router.errors import OpenAIError
@@ -45,7 +47,8 @@ def test_single_attempt_phases():
     assert (plan.number, plan.prompt_token_ids, plan.max_tokens) == (1, [100, 101, 102], 10)
     assert m.phase is Phase.ATTEMPTING
     step = m.on_delta(delta(0, 1, 2, finish="stop"))
-    assert step.action is Action.FINISH and step.emission.text == "abc"
+    # The engine stopped on token 2 (EOS or a stop token id): its id is output, its text is not.
+    assert step.action is Action.FINISH and step.emission.text == "ab" and step.emission.token_ids == [0, 1, 2]
     assert m.phase is Phase.FINISHED and m.finish_reason == "stop"
 
 
@@ -313,3 +316,88 @@ def test_min_tokens_left_shrinks_across_attempts():
     m.on_delta(delta(3, 4, 5))
     m.on_delta(recomputed())
     assert m.start_attempt(False).min_tokens == 0
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked_for_as_vllm_does():
+    for stop_reason in (None, 7):  # EOS; one of stop_token_ids
+        m = machine()
+        m.start_attempt(disaggregated=False)
+        m.on_delta(delta(0, 1))
+        step = m.on_delta(delta(2, 7, finish="stop", stop=stop_reason))
+        assert (step.emission.text, step.emission.token_ids, m.text) == ("c", [2, 7], "abc")
+        assert m.output_token_ids == [0, 1, 2, 7] and m.stop_reason == stop_reason
+    m = RecomputeStateMachine(
+        request_id="cmpl-x", prompt_token_ids=[100], max_tokens=10, max_attempts=1, text=LetterStream(), stops=StopMatcher([], True)
+    )
+    m.start_attempt(disaggregated=False)
+    assert m.on_delta(delta(0, 7, finish="stop", stop=7)).emission.text == "ah"  # include_stop_str_in_output
+    # A recomputed or moved attempt's last tokens are output like any other.
+    m = machine()
+    m.start_attempt(disaggregated=False)
+    m.on_delta(recomputed(0, 1))
+    assert m.text == "ab"
+
+
+@pytest.mark.parametrize(
+    ("stops", "min_tokens", "tokens", "text", "stop"),
+    [
+        # A stop string is not matched within the first min_tokens tokens, counting as vLLM does:
+        # with min_tokens=1 the first token cannot stop.
+        (["a"], 1, [0, 1, 2], "abc", None),
+        (["b"], 1, [0, 1, 2], "a", "b"),
+        # Text fed while stopping was not allowed never completes a stop string later.
+        (["x", "xyzzy"], 2, [23, 1, 2], "xbc", None),
+    ],
+)
+def test_stop_strings_match_as_vllms_detokenizer_does(stops, min_tokens, tokens, text, stop):
+    m = machine(stops=stops, min_tokens=min_tokens)
+    m.start_attempt(disaggregated=False)
+    for token in tokens:
+        m.on_delta(delta(token))
+    if not m.finished:
+        m.on_delta(delta(finish="length"))
+    assert (m.text, m.stop_reason) == (text, stop)
+
+
+def test_logprobs_are_framed_as_vllms_server_frames_them(ctx):
+    """Completions' top_logprobs always hold the sampled token (OpenAI's legacy API: up to
+    logprobs + 1 entries), and -inf (a token masked out) is sent as -9999.0, never as JSON's
+    invalid -Infinity."""
+    inf = float("-inf")
+    lps = [TokenLogprob(0, -0.5, ((1, -0.1), (0, -0.5))), TokenLogprob(2, inf, ((1, -0.2),)), TokenLogprob(3, -1.0, ())]
+    for route, body in (
+        ("completions", {"prompt": "Hi", "logprobs": 1}),
+        ("chat", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1}),
+    ):
+        parsed = parse_request(route, {**body, "max_tokens": 3}, ctx)
+        final = ResponseFramer(parsed, token_text=lambda t: chr(ord("a") + t)).final(
+            text="acd", token_ids=[0, 2, 3], logprobs=lps, finish_reason="length", stop_reason=None, prompt_tokens=2
+        )
+        json.loads(json.dumps(final, allow_nan=False))  # raises on -Infinity
+        logprobs = final["choices"][0]["logprobs"]
+        if route == "completions":
+            assert logprobs["token_logprobs"] == [-0.5, -9999.0, -1.0]
+            assert logprobs["top_logprobs"] == [{"a": -0.5, "b": -0.1}, {"c": -9999.0, "b": -0.2}, {"d": -1.0}]
+        else:
+            assert [c["logprob"] for c in logprobs["content"]] == [-0.5, -9999.0, -1.0]
+            assert [[t["token"] for t in c["top_logprobs"]] for c in logprobs["content"]] == [["b"], ["b"], []]
+
+
+def test_return_token_ids_returns_the_prompts_too_as_vllms_server_does(ctx):
+    """The prompt's token ids: in the first stream chunk only (completions: in its choice; chat:
+    in the chunk), and in the final response."""
+    for route, body in (("completions", {"prompt": "Hi there"}), ("chat", {"messages": [{"role": "user", "content": "Hi"}]})):
+        body = {**body, "max_tokens": 4, "stream": True, "return_token_ids": True}
+        parsed, m, framer, chunks = run_with_framer(ctx, body, [[delta(0, 1), recomputed()], [delta(2, 3, finish="length")]])
+        where = [c["choices"][0] if route == "completions" else c for c in chunks]
+        assert where[0]["prompt_token_ids"] == parsed.prompt_token_ids and len(chunks) >= 2
+        assert all("prompt_token_ids" not in w for w in where[1:])
+        final = framer.final(text="abcd", token_ids=[0, 1, 2, 3], logprobs=None, finish_reason="length", stop_reason=None, prompt_tokens=2)
+        holder = final["choices"][0] if route == "completions" else final
+        assert holder["prompt_token_ids"] == parsed.prompt_token_ids
+        parsed = parse_request(route, {**body, "return_token_ids": False}, ctx)
+        assert "prompt_token_ids" not in str(
+            ResponseFramer(parsed, token_text=chr).final(
+                text="", token_ids=[], logprobs=None, finish_reason="length", stop_reason=None, prompt_tokens=2
+            )
+        )

@@ -41,6 +41,14 @@ def test_include_stop_str_and_earliest_match():
     assert m.matched == "lo w"
 
 
+def test_of_two_stop_strings_in_one_piece_the_first_to_complete_wins():
+    """vLLM's detokenizer picks the stop string that completes first (one token's text can
+    complete several), not the one that starts first."""
+    m = StopMatcher(["abcd", "bc"])
+    assert m.feed("a") + m.feed("bcd") == "a"
+    assert m.matched == "bc"
+
+
 def test_min_tokens_defers_matching():
     m = StopMatcher(["a"])
     assert m.feed("xa", can_stop=False) == "xa"  # nothing held for a 1-char stop; no match yet
