@@ -20,7 +20,7 @@ pd-serve, no Ray import at module level.
 * ``SLOPolicy``: latency targets instead of load targets, as NVIDIA Dynamo's planner does: the
   prefill pool scales on time to first token (``ttft_p90_s``: the p90 of the time a prompt waits
   and is computed on a prefill engine), the decode pool on inter-token latency (``itl_p90_s``: the
-  p90 of the gap between a decode engine's successive outputs). Each replica measures its own
+  p90 of the time per token between a decode engine's successive outputs). Each replica measures its own
   p90 over the last ``LATENCY_WINDOW_S`` (0 when it served nothing); the policy scales the pool by
   worst observed / target (above the target: more replicas at once; below ``scale_down_below``
   of it, or idle: fewer, at most half at a time), and holds the count while no replica reports.
@@ -38,7 +38,7 @@ WAITING = "pd_waiting"  # requests an engine has queued
 KV_USAGE = "pd_kv_usage"  # fraction of the engine's KV cache in use
 PROMPT_TOKENS = "pd_prompt_tokens"  # prompt tokens a prefill engine holds: queued or computing
 TTFT_P90 = "pd_ttft_p90_s"  # prefill: p90 of wait + compute per prompt, recent window (0: none)
-ITL_P90 = "pd_itl_p90_s"  # decode: p90 of the gap between a stream's outputs, recent window (0: none)
+ITL_P90 = "pd_itl_p90_s"  # decode: p90 of the time per token between a stream's outputs, recent window (0: none)
 CLIENT_REQUESTS = "pd_client_requests"  # router: client requests in progress
 
 # How far back a replica's latency p90 looks.
@@ -47,7 +47,7 @@ LATENCY_WINDOW_S = 30.0
 # What each role's replicas report: a policy reading anything else never sees a value, and holds.
 REPORTED_METRICS = {
     "prefill": frozenset({RUNNING, WAITING, KV_USAGE, PROMPT_TOKENS, TTFT_P90}),
-    "decode": frozenset({RUNNING, WAITING, KV_USAGE, PROMPT_TOKENS, ITL_P90}),
+    "decode": frozenset({RUNNING, WAITING, KV_USAGE, ITL_P90}),
     "router": frozenset({CLIENT_REQUESTS}),
 }
 
@@ -170,4 +170,15 @@ class SLOPolicy:
         observed = per_replica(ctx, self.metric)
         if not observed:
             return _hold(ctx)
-        return self.desired(int(ctx.current_num_replicas), observed), dict(ctx.policy_state or {})
+        current = int(ctx.current_num_replicas)
+        desired = self.desired(current, observed)
+        if desired > current and _within_window_of_scale_up(ctx):
+            # The p90 still covers the time before the last scale-up (its window, then Serve's
+            # look-back): the same ratio again would multiply the pool it already grew.
+            desired = float(max(current, int(getattr(ctx, "target_num_replicas", current) or current)))
+        return desired, dict(ctx.policy_state or {})
+
+
+def _within_window_of_scale_up(ctx: Any) -> bool:
+    last, now = getattr(ctx, "last_scale_up_time", None), getattr(ctx, "current_time", None)
+    return last is not None and now is not None and now - last < LATENCY_WINDOW_S

@@ -546,7 +546,9 @@ def _check_own_policy(role: str, autoscaling_config: dict[str, Any] | None) -> N
 
     policy = (autoscaling_config or {}).get("policy") or {}
     name = policy.get("policy_function") if isinstance(policy, dict) else None
-    module, _, cls_name = str(name or "").partition(":")
+    # Serve takes "module:Class" and "module.Class" alike.
+    spelled = str(name or "")
+    module, _, cls_name = spelled.partition(":") if ":" in spelled else spelled.rpartition(".")
     if module != autoscaling.__name__:
         return
     where = f"{role}.autoscaling_config.policy"

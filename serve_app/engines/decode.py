@@ -35,19 +35,22 @@ class Decode(EngineServer):
 
     async def generate(self, request: EngineRequest, replica: str | None = None) -> AsyncIterator[EngineEvent]:
         self.pinned(replica)
-        self.calls_started = time.monotonic()
         if self.draining:  # Serve is stopping this replica: the router resumes it on another
+            # (not counted as a call: the drain's quiet second still comes while routers ask)
             yield TokenDelta([], finish_reason="stop", stop_reason=MOVED)
             return
+        self.calls_started = time.monotonic()
         last: float | None = None
         # Closed with this generator, at once: its own close aborts the engine request.
         async with contextlib.aclosing(self._generate(request)) as events:
             async for event in events:
                 if isinstance(event, TokenDelta):
-                    # The gap between this stream's outputs: the autoscaler's decode latency signal.
+                    # The gap between this stream's outputs per token it brought: the autoscaler's
+                    # decode latency signal (streams are paced, several tokens to an output, so
+                    # the gap alone would grow with the streams running, whatever the engine's pace).
                     now = time.monotonic()
-                    if last is not None:
-                        self.latency.add(now, now - last)
+                    if last is not None and event.token_ids:
+                        self.latency.add(now, (now - last) / len(event.token_ids))
                     last = now
                     if self.draining and event.finish_reason is None:
                         # The stream ends here, with what it has; closing it frees its KV.

@@ -3,13 +3,15 @@
 Kept per replica, over a sliding window: a prefill replica records, per call, the time from the
 call's arrival to its prompt computed (what the prompt adds to time to first token: its queueing
 and its compute on this engine); a decode replica records the gap between successive outputs of
-each stream (inter-token latency, as the client sees it from this engine). Appending is O(1) per
+each stream divided by the tokens the later one brought (inter-token latency, as the client sees
+it from this engine). Appending is O(1) per
 output; the p90 is computed when Serve asks for the metrics (every few seconds), over at most
 ``max_samples`` recent values.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 
@@ -29,4 +31,4 @@ class LatencyWindow:
         if not self._samples:
             return 0.0
         values = sorted(v for _, v in self._samples)
-        return values[min(len(values) - 1, int(0.9 * len(values)))]
+        return values[math.ceil(0.9 * len(values)) - 1]  # nearest rank: of 10 values, the 9th

@@ -9,7 +9,7 @@ from ray import serve
 
 from serve_app.engines.records import push_timeline
 from serve_app.engines.server import EngineServer
-from serve_app.wire.protocol import EngineRejected, EngineRequest, PrefillResult
+from serve_app.wire.protocol import MOVED, EngineRejected, EngineRequest, PrefillResult
 
 # How long ``run`` waits for its connector's record of the push once the prompt is computed. The
 # record rides with the engine stats of the very step that finished the prompt, so it is normally
@@ -32,6 +32,11 @@ class Prefill(EngineServer):
         engine did not finish the prompt or the push broke, so the router need not wait for the
         decode engine's receive deadline to learn it."""
         self.pinned(replica)
+        if self.draining:
+            # Serve is stopping this replica and a router has not heard yet: it takes the prompt
+            # to another prefill engine and chooses this one for nothing new. Not counted as a
+            # call, so the drain's quiet second still comes while routers keep asking.
+            return PrefillResult(request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids), finish_reason=MOVED)
         arrived = self.calls_started = time.monotonic()
         arrived_wall = time.time()  # the connector's push times are wall clock
         tokens = len(request.prompt_token_ids)
@@ -48,8 +53,10 @@ class Prefill(EngineServer):
                 finish_reason = event.finish_reason
         finally:
             self._prompt_tokens -= tokens
-        now = time.monotonic()
-        self.latency.add(now, now - arrived)
+            # Every call, also one cancelled (a router's deadline, a client gone) or failed: under
+            # overload those are the slowest, and leaving them out would read as an idle pool.
+            now = time.monotonic()
+            self.latency.add(now, now - arrived)
         if finish_reason not in ("stop", "length"):
             raise PrefillFailed(f"{self.spec.name}: prefill of {request.request_id} ended with {finish_reason!r}")
         record = None

@@ -142,8 +142,9 @@ class EngineServer:
             autoscaling.RUNNING: float(stats.num_running),
             autoscaling.WAITING: float(stats.num_waiting),
             autoscaling.KV_USAGE: float(stats.kv_usage),
-            autoscaling.PROMPT_TOKENS: float(self._prompt_tokens),
         }
+        if self.spec.role == "prefill":
+            metrics[autoscaling.PROMPT_TOKENS] = float(self._prompt_tokens)
         p90 = self.latency.p90(time.monotonic())
         metrics[autoscaling.TTFT_P90 if self.spec.role == "prefill" else autoscaling.ITL_P90] = p90
         return metrics

@@ -112,7 +112,8 @@ def failure_of(role: str, exc: BaseException) -> tuple[str, str]:
 
 AttemptEvent = KVReadyEvent | PrefillDoneEvent | DeltaEvent | AttemptFailed
 
-# The kind of an AttemptFailed that is a move, not a failure: the decode engine is being stopped.
+# The kind of an AttemptFailed that is a move, not a failure: an engine of the attempt (decode, or
+# prefill before it took the prompt) is being stopped.
 MOVED = "moved"
 # What ``_read_stream`` returns when the decode engine left while the read waited.
 _LEFT = object()
@@ -349,6 +350,11 @@ class AttemptRun:
                 self.executor.pool.mark_unhealthy(self.prefill)
             reason, detail = failure_of("prefill", exc)
             return AttemptFailed(reason, True, self.prefill, 502, "prefill", detail)
+        if task.result().finish_reason == MOVED_STOP:
+            # The prefill engine is being stopped and took nothing: choose it for nothing new, and
+            # resume at once (before any token: the decode engine holds no KV yet) as a move.
+            self.executor.pool.drain(self.prefill)
+            return AttemptFailed("the prefill engine was stopped", True, self.prefill, 503, MOVED)
         self.executor.metrics.prefill.observe(time.monotonic() - self.prefill_started)
         self.prefill_lease.close()  # its prompt is no longer queued on that engine
         self._advance(PhaseEvent.PREFILL_DONE)

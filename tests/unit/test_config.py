@@ -71,6 +71,7 @@ def test_topology_checks():
 
 
 POLICY = "serve_app.config.autoscaling:"
+DOTTED = "serve_app.config.autoscaling."
 
 
 @pytest.mark.parametrize(
@@ -81,6 +82,14 @@ POLICY = "serve_app.config.autoscaling:"
         ("router", {"policy_function": POLICY + "DecodeLoadPolicy"}, "router replicas do not report"),
         ("prefill", {"policy_function": POLICY + "PrefillLoadPolicy", "policy_kwargs": {"target_prompt_tokens": 0}}, "> 0"),
         ("decode", {"policy_function": POLICY + "NoSuchPolicy"}, "cannot import the policy"),
+        # Only prefill replicas hold prompts: on decode this policy would read 0 forever.
+        ("decode", {"policy_function": POLICY + "PrefillLoadPolicy"}, "decode replicas do not report"),
+        # Serve's dotted spelling of the same policy is checked as well.
+        (
+            "decode",
+            {"policy_function": POLICY.rstrip(":") + ".SLOPolicy", "policy_kwargs": {"ttft_p90_s": 0.5}},
+            "decode replicas do not report",
+        ),
     ],
 )
 def test_pd_serves_own_policies_are_built_and_matched_to_their_role_at_load(role, policy, message):

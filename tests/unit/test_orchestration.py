@@ -1013,3 +1013,55 @@ def test_a_resumed_attempt_keeps_the_cache_salt(tiny_tokenizer):
 
     pressure = args(router={"max_attempts": 30}, mock={"decode_step_s": 0.001, "kv_capacity_tokens": 200})
     run(body, pressure, tiny_tokenizer)
+
+
+def test_a_stopping_prefill_engine_hands_its_calls_back_and_is_chosen_for_nothing_new(tiny_tokenizer):
+    """Serve stops a prefill replica before the router's list says so: the replica answers new
+    calls 'moved' at once (it takes no prompt, and such calls do not hold off its drain), the
+    router drains it and resumes the attempt on the other prefill engine, as a move."""
+
+    async def body(app: App) -> None:
+        victim = app.engines["prefill-0"]
+        victim.drain_s = 10.0
+        stopping = asyncio.ensure_future(victim.__del__())
+        await asyncio.sleep(0)
+        assert victim.draining
+        for i in range(4):
+            prompt = [40 + i, *PROMPT]
+            status, data = await completion(app, prompt)
+            assert status == 200 and data["choices"][0]["token_ids"] == expected(prompt, 8)
+        assert len(victim.runner.requests) == 0  # it computed nothing
+        assert len(app.engines["prefill-1"].runner.requests) == 4
+        metrics = app.service.metrics
+        assert metrics.migrations.values == {(("cause", "drain"), ("engine", "prefill-0")): 1} and not metrics.errors.values
+        assert app.service.pool.draining("prefill-0")
+        await asyncio.wait_for(stopping, 5)  # quiet well before its 10 s bound
+
+    run(body, args(prefill={"num_replicas": 2}), tiny_tokenizer, recording_router_metrics())
+
+
+def test_the_latency_signals_count_every_prefill_call_and_decode_time_per_token(tiny_tokenizer):
+    """The autoscaling latencies: a prefill call that fails still counts (under overload the
+    failed and cancelled calls are the slow ones), and decode's is the time per token of a
+    stream's outputs, not the gap between its (paced, several-token) outputs."""
+
+    async def body(app: App) -> None:
+        prefill, decode = app.engines["prefill-0"], app.engines["decode-0"]
+        original = prefill.runner.generate
+
+        def broken(request: Any) -> Any:
+            prefill.runner.generate = original  # once
+            raise RuntimeError("the engine broke")
+
+        prefill.runner.generate = broken
+        prompts = [[50 + i, *PROMPT] for i in range(2)]
+        results = await asyncio.gather(*(completion(app, p, max_tokens=80, stream=True) for p in prompts))
+        for prompt, (status, events) in zip(prompts, results, strict=True):
+            assert status == 200 and tokens_of(events) == expected(prompt, 80)
+        assert len(prefill.latency._samples) == 3  # the failed call, its retry, the other prompt
+        per_token = [seconds for _, seconds in decode.latency._samples]
+        # Two streams at 20 items/s between them: an output every 0.1 s or so, of about 20
+        # tokens at 0.005 s each. Per token that is some milliseconds, far under the gap.
+        assert len(per_token) >= 4 and max(per_token) < 0.03, per_token
+
+    run(body, args(mock={"decode_step_s": 0.005}, stream_items_per_s=20), tiny_tokenizer)

@@ -67,6 +67,24 @@ def test_the_slo_policy_scales_up_at_once_and_down_only_well_under_the_target():
         autoscaling.SLOPolicy()
 
 
+def test_the_slo_policy_does_not_compound_a_ratio_measured_before_its_last_scale_up():
+    """The p90 covers the last LATENCY_WINDOW_S: right after a scale-up it still describes the
+    smaller pool, and multiplying the grown pool by it again would double it on every decision."""
+    decode = autoscaling.SLOPolicy(itl_p90_s=0.05)
+    slow = {autoscaling.ITL_P90: [0.1, 0.1, 0.1, 0.1]}
+    just_grown = ctx(slow, current=4, target=4)
+    just_grown.last_scale_up_time, just_grown.current_time = 1000.0, 1000.0 + autoscaling.LATENCY_WINDOW_S / 2
+    assert decode(just_grown)[0] == 4.0
+    # Once the window has turned over, a miss is the grown pool's own: up again.
+    later = ctx(slow, current=4, target=4)
+    later.last_scale_up_time, later.current_time = 1000.0, 1000.0 + autoscaling.LATENCY_WINDOW_S + 1
+    assert decode(later)[0] == pytest.approx(8.0)
+    # Scaling down is not held.
+    fast = ctx({autoscaling.ITL_P90: [0.01] * 4}, current=4, target=4)
+    fast.last_scale_up_time, fast.current_time = 1000.0, 1001.0
+    assert decode(fast)[0] < 4.0
+
+
 def test_a_policy_is_what_serve_runs_from_the_config():
     """Serve's own AutoscalingConfig imports the policy and instantiates it with policy_kwargs."""
     from ray.serve._private.autoscaling_state import _resolve_policy_callable
@@ -85,8 +103,13 @@ def test_latency_window_p90_forgets_old_samples():
     window = LatencyWindow(window_s=10)
     for i in range(100):
         window.add(100.0, i / 100)
-    assert window.p90(105.0) == pytest.approx(0.9)
+    assert window.p90(105.0) == pytest.approx(0.89)  # nearest rank: the 90th of 100
     assert window.p90(111.0) == 0.0
+    # Of ten values the ninth, not the largest: one outlier at low traffic is not the p90.
+    few = LatencyWindow(window_s=10)
+    for value in [1.0] * 9 + [50.0]:
+        few.add(0.0, value)
+    assert few.p90(1.0) == 1.0
 
 
 # ---------------------------------------------------------------------------- membership
