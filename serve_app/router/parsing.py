@@ -453,15 +453,35 @@ def _completion_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
     return ids
 
 
+# Fields of a tool-calling conversation: refused with tool calling itself, never dropped (the
+# turn would render as something else).
+MESSAGE_TOOL_FIELDS = ("tool_calls", "tool_call_id")
+
+
 def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
     conversation = []
     for i, message in enumerate(request.messages):
-        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
-        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+        field_of = message.get if isinstance(message, dict) else lambda name, m=message: getattr(m, name, None)
+        role, content = field_of("role"), field_of("content")
         if not isinstance(role, str):
             raise bad_request(f"messages[{i}].role must be a string", param=f"messages.{i}.role")
-        conversation.append({"role": role, "content": _text_content(content, i)})
+        turn = {"role": role, "content": _text_content(content, i)}
+        for name in MESSAGE_TOOL_FIELDS:
+            if field_of(name):
+                raise bad_request(f"messages[{i}].{name}: tool calling is not supported by this server", param=f"messages.{i}.{name}")
+        # What templates read besides role and content, as vLLM's server passes it on: the
+        # speaker's name, and an assistant turn's reasoning (under both names templates use).
+        if isinstance(field_of("name"), str):
+            turn["name"] = field_of("name")
+        reasoning = field_of("reasoning") or field_of("reasoning_content")
+        if role == "assistant" and isinstance(reasoning, str):
+            turn["reasoning"] = turn["reasoning_content"] = reasoning
+        conversation.append(turn)
     kwargs = dict(request.chat_template_kwargs or {})
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:  # as vLLM's server: the template reads it, and opts in to thinking
+        kwargs.setdefault("reasoning_effort", effort)
+        kwargs.setdefault("enable_thinking", effort != "none")
     if request.chat_template is not None:  # trusted by the operator (checked above)
         kwargs["chat_template"] = request.chat_template
     client_template = kwargs.get("chat_template") is not None

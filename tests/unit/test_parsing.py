@@ -148,3 +148,35 @@ def test_token_ids_a_request_names_in_the_vocabulary_are_accepted_on_every_vllm(
     parsed = parse_request("completions", body, ctx)
     assert parsed.sampling_params.allowed_token_ids == [5, 6, 7]
     assert "logit_bias" in str(refused(ctx, "completions", {"prompt": [5], "logit_bias": {"5000": 1.0}}))
+
+
+def test_chat_template_inputs_are_passed_on_or_refused_never_dropped(tiny_tokenizer):
+    """A message's name and reasoning, and the request's reasoning_effort (with enable_thinking
+    unless the client set it), reach the template as on vLLM's server; a tool-calling turn is a
+    400, not a turn rendered without its calls."""
+    from unittest import mock
+
+    from serve_app.router.errors import OpenAIError
+    from serve_app.router.parsing import ModelContext, parse_request
+
+    ctx = ModelContext(name="m", aliases=frozenset(), max_model_len=256, vocab_size=1024, tokenizer=tiny_tokenizer)
+    messages = [
+        {"role": "user", "content": "Hi", "name": "ann"},
+        {"role": "assistant", "content": "Hello", "reasoning": "a greeting"},
+        {"role": "user", "content": "More"},
+    ]
+    with mock.patch.object(tiny_tokenizer, "apply_chat_template", return_value="text") as render:
+        parse_request("chat", {"messages": messages, "reasoning_effort": "none"}, ctx)
+        (conversation,), kwargs = render.call_args
+        assert conversation[0]["name"] == "ann" and conversation[1]["reasoning_content"] == conversation[1]["reasoning"] == "a greeting"
+        assert kwargs["reasoning_effort"] == "none" and kwargs["enable_thinking"] is False
+        parse_request("chat", {"messages": messages, "reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}, ctx)
+        assert render.call_args[1]["enable_thinking"] is False  # the client's own wins
+        parse_request("chat", {"messages": messages}, ctx)
+        assert "reasoning_effort" not in render.call_args[1] and "enable_thinking" not in render.call_args[1]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    for turn, param in (({"role": "assistant", "content": None, "tool_calls": calls}, "messages.0.tool_calls"),
+                        ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages.0.tool_call_id")):  # fmt: skip
+        with pytest.raises(OpenAIError) as refused:
+            parse_request("chat", {"messages": [turn, {"role": "user", "content": "ok"}]}, ctx)
+        assert refused.value.status == 400 and refused.value.param == param
