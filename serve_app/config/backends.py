@@ -217,6 +217,20 @@ class PoolSpec:
     engines_cores: tuple[int, ...] = ()  # replicas_keep_off of the full config
     # A replacement KV connector (``module:Class``), from Python only: the tests' fault injection.
     kv_connector: str | None = None
+    # Prefill: the ranks whose KV port blocks come before decode's (twice the most prefill engines
+    # ``args`` allows); None: no bound (decode's blocks come last).
+    port_ranks: int | None = None
+
+    def beyond_args(self, rank: int) -> str | None:
+        """Why replica ``rank`` has no port block of its own (None: it has): a deployment override
+        raised the pool past what ``args`` says, which decides where decode's blocks start."""
+        if self.port_ranks is None or rank < self.port_ranks:
+            return None
+        return (
+            f"{self.role}-{rank} is past the {self.port_ranks} {self.role} ranks that args leaves room for (a deployment "
+            "override raised the pool): it may share a decode engine's KV port block (the cpu backend then takes a free "
+            "port) and cores; raise the pool's count or max_replicas in args instead"
+        )
 
     def for_rank(self, rank: int, unique_id: str = "") -> EngineSpec:
         from serve_app.config.settings import load_config
@@ -235,6 +249,7 @@ def pool_spec(config: AppConfig, role: Role, kv_connector: str | None = None) ->
         port_base=kv_port_offset(config, role),
         engines_cores=tuple(sorted(replicas_keep_off(config))),
         kv_connector=kv_connector,
+        port_ranks=kv_port_offset(config, "decode") if role == "prefill" else None,
     )
 
 

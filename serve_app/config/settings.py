@@ -450,7 +450,27 @@ class AppConfig(_Strict):
                         f"prefill's and decode's {key} differ ({prefill} and {decode}): prefill writes its KV blocks "
                         f"into decode's as they are; set {key} in engine_kwargs, for both roles"
                     )
+        if self.backend == "cpu":
+            self._check_cpu_tensor_parallel()
         return self
+
+    def _check_cpu_tensor_parallel(self) -> None:
+        """vLLM's CPU engine runs one worker per tensor-parallel rank, each bound to the cores
+        VLLM_CPU_OMP_THREADS_BIND gives it ("0-1|2-3": one set per rank): ``cpu_bind: auto`` gives
+        an engine one core, and the engine failed at start. pd-serve's CPU connector moves one
+        rank's KV (the README's Limits)."""
+        for role in ("prefill", "decode") if self.has_prefill() else ("decode",):
+            group: EngineGroupConfig = getattr(self, role)
+            tp = int({**self.engine_kwargs, **group.engine_kwargs}.get("tensor_parallel_size", 1) or 1)
+            if tp <= 1:
+                continue
+            if self.has_prefill():
+                raise ValueError(f"{role}: tensor_parallel_size {tp}: the CPU backend's KV connector moves one rank's KV (1 only)")
+            if group.cpu_bind == "auto":
+                raise ValueError(
+                    f"{role}.cpu_bind 'auto' binds each engine to one core, and tensor_parallel_size {tp} needs one set of "
+                    f"cores per rank: give cpu_bind a list, one entry per engine, each with {tp} sets ('0-1|2-3')"
+                )
 
     def cpus_short_of(self, cluster_cpus: float) -> str | None:
         """What the cluster's ``cluster_cpus`` cannot place at every pool's ``max_replicas`` (None:

@@ -75,6 +75,9 @@ class EngineServer:
         self.replica_id: str | None = None
         if isinstance(spec, PoolSpec):
             rank, self.replica_id = replica_identity()
+            beyond = spec.beyond_args(rank)
+            if beyond:
+                logger.warning("pd-serve config: %s", beyond)
             spec = spec.for_rank(rank, self.replica_id)
             # This rank's own thread binding: the deployment's runtime_env holds rank 0's.
             os.environ.update(spec.env)

@@ -324,3 +324,10 @@ def test_each_role_is_one_deployment_scaled_by_serve_and_routed_by_pd_serve():
     assert second.kv_port - first.kv_port == KV_PORT_STRIDE
     ids = {spec.engine_kwargs["kv_transfer_config"]["engine_id"] for spec in (first, second)}
     assert ids == {"decode-0-aaaa", "decode-1-bbbb"}
+    # A prefill rank past what args leaves room for (a deployment override raised the pool)
+    # would share decode's first port block: its replica says so at start.
+    prefill_spec, _ = prefill.init_args
+    assert prefill_spec.port_ranks == 4 and pool_spec.beyond_args(50) is None
+    assert prefill_spec.beyond_args(3) is None
+    assert "raise the pool's count or max_replicas in args" in prefill_spec.beyond_args(4)
+    assert prefill_spec.for_rank(4).kv_port == first.kv_port  # the overlap it warns of

@@ -196,3 +196,17 @@ def test_a_cluster_too_small_for_the_pools_at_their_most_is_named_at_start(caplo
     with caplog.at_level("WARNING", logger="pd_serve.app"):
         build_app(args)
     assert any("decode.autoscaling_config.max_replicas 8" in r.getMessage() for r in caplog.records)
+
+
+def test_tensor_parallel_on_the_cpu_backend_is_checked_at_load():
+    """vLLM's CPU engine binds each tensor-parallel rank to its own cores: 'auto' (one core per
+    engine) made the engine fail at start, and the CPU connector moves one rank's KV."""
+    colocated = {"prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}}
+    with pytest.raises(ConfigError, match="one set of cores per rank"):
+        load_config({**colocated, "engine_kwargs": {"tensor_parallel_size": 2}})
+    bound = load_config({**colocated, "decode": {"engine_kwargs": {"tensor_parallel_size": 2}, "cpu_bind": ["0|1"]}})
+    assert bound.decode.cpu_bind == ["0|1"]
+    with pytest.raises(ConfigError, match="KV connector moves one rank"):
+        load_config({"decode": {"engine_kwargs": {"tensor_parallel_size": 2}, "cpu_bind": ["0|1"]}})
+    # Other backends bind their own devices.
+    assert load_config({"backend": "mock", "engine_kwargs": {"tensor_parallel_size": 2}}).backend == "mock"
