@@ -158,9 +158,11 @@ class MockEngine:
             self._waiting.append(seq)
             self._work.set()
             first = True
+            # Paced from its first output on, as vLLM's runner: a request still queued sends
+            # nothing, and counting it would hold the streams that do (pacing.py).
+            await seq.wake.wait()
             with self.pacer.stream() as pace:
                 while True:
-                    await seq.wake.wait()
                     await seq.finish.hold(pace.wait_s())  # the steps meanwhile join the next delta
                     seq.wake.clear()
                     tokens, seq.pending = seq.pending, []
@@ -179,6 +181,7 @@ class MockEngine:
                     # generator waited at the yield, and that ending is the next delta's to tell.
                     if delta.finish_reason is not None:
                         return
+                    await seq.wake.wait()
         finally:
             self._drop(seq)
 

@@ -88,6 +88,32 @@ def test_the_mock_engine_sends_a_paced_streams_last_delta_when_it_finishes():
     asyncio.run(main())
 
 
+def test_mock_streams_are_paced_only_from_their_first_output():
+    """As vLLM's runner (next test): requests queued behind a full batch (max_num_seqs 1) send
+    nothing and are not counted, so the one running stream is not held for them."""
+
+    async def main() -> None:
+        engine = MockEngine("decode-0", "decode", MockCosts(0.0, 0.002, 100_000, 1), None, recompute=True, pacer=StreamPacer(100.0))
+        await engine.start()
+        try:
+            long = encode_sampling(SamplingParams(max_tokens=200, temperature=0.0, detokenize=False, ignore_eos=True))
+            params = encode_sampling(SamplingParams(max_tokens=10, temperature=0.0, detokenize=False, ignore_eos=True))
+            running = engine.generate(EngineRequest("running", [5, 6, 7], long, None))
+            first = await anext(running)
+            queued = [asyncio.ensure_future(anext(engine.generate(EngineRequest(f"q{i}", [5, 6, i], params, None)))) for i in range(20)]
+            await asyncio.sleep(0.05)  # the running request's 200 steps take 0.4 s
+            assert engine.pacer.active == 1  # the running stream alone
+            rest = [d async for d in running]
+            assert sum(len(d.token_ids) for d in [first, *rest]) == 200
+            for task in queued:
+                task.cancel()
+            await asyncio.gather(*queued, return_exceptions=True)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_vllm_streams_are_paced_only_from_their_first_output():
     """Decode requests still waiting for their KV (or queued) send nothing: counted as paced
     streams, twenty of them held the one running stream 0.2 s between deltas at 100 items/s."""
