@@ -532,21 +532,34 @@ def test_a_second_kv_ready_is_a_protocol_error_never_a_second_prefill(tiny_token
 
 
 def test_kv_ready_racing_the_first_token(tiny_tokenizer):
-    """Prefill's call returns only after decode has already streamed tokens: the attempt keeps
-    reading tokens while prefill is still 'in flight', and finishes when both are done."""
+    """Prefill's call returns only well after decode has streamed tokens: the attempt reads and
+    sends tokens while the call is still in flight (never holding them behind it), and ends with
+    its last token, cancelling the call if it is still running."""
 
     async def body(app: App) -> None:
         prefill = app.engines["prefill-0"]
         real = prefill.run
+        ended: dict[str, float] = {}
 
         async def slow_return(request):
             result = await real(request)
-            await asyncio.sleep(0.2)
+            try:
+                await asyncio.sleep(0.5)
+            except asyncio.CancelledError:
+                ended["cancelled"] = time.monotonic()
+                raise
+            ended["returned"] = time.monotonic()
             return result
 
         prefill.run = slow_return
-        status, events = await completion(app, PROMPT, max_tokens=30, stream=True)
-        assert status == 200 and tokens_of(events) == expected(PROMPT, 30)
+        events, first_token_at = [], None
+        async for event in app.service.generate({"prompt": PROMPT, "max_tokens": 30, "return_token_ids": True}):
+            events.append(event)
+            if first_token_at is None and tokens_of([event]):
+                first_token_at = time.monotonic()
+        assert tokens_of(events) == expected(PROMPT, 30)
+        await wait_until(lambda: bool(ended))
+        assert first_token_at is not None and first_token_at < min(ended.values()), (first_token_at, ended)
 
     run(body, args(), tiny_tokenizer)
 
