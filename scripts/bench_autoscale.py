@@ -141,8 +141,8 @@ def summarize(
     out["scaling"] = {}
     for role in ("prefill", "decode"):
         # Up: Serve's target, its replica RUNNING, the router's pool (each from the high phase's
-        # start). Down: the router's pool back at one, from the high phase's end or the
-        # scale-up, whichever came later.
+        # start). Down: the router's pool back at one (looked for from the high phase's end or
+        # the scale-up, whichever came later), timed from the high phase's end.
         joined = first_time(timeline, role, high_lo, lambda n: n >= 2)
         out["scaling"][role] = {
             "decided_after_s": after(first_time(timeline, f"{role}.target", high_lo, lambda n: n >= 2), high_lo),

@@ -29,10 +29,10 @@ request ``OUT`` output tokens, greedy, ``ignore_eos``, random token ids from a f
 same requests for every target). Per rate: TTFT p90, ITL p99 (the gaps between streamed chunks:
 the stalls a reader sees), TPOT p90, output tokens/s, SLO attainment and goodput.
 
-SLOs, fixed before any run (never tuned to a result): TTFT at most ``TTFT_SLO_S`` (five times a
-long prompt's prefill on one core, DistServe's headroom for queueing) and TPOT at most
-``TPOT_SLO_S`` (a fast reader's pace; ten decode steps of a batch of 8). Goodput at a rate is the
-number of requests that met both, per second of the run; the table also gives DistServe's
+SLOs, fixed before any run (never tuned to a result): TTFT at most ``TTFT_SLO_S`` (several times
+a long prompt's prefill on one core, DistServe's headroom for queueing) and TPOT at most
+``TPOT_SLO_S`` (a fast reader's pace; about a dozen decode steps of a batch of 8). Goodput at a
+rate is the number of requests that met both, per second of the span over which they arrived; the table also gives DistServe's
 summary, the highest rate at which at least ``ATTAINMENT`` of the requests met both.
 
 Also, ``ALONE`` long prompts one at a time: their TTFT on the disaggregated target against the
