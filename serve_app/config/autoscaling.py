@@ -29,6 +29,7 @@ pd-serve, no Ray import at module level.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -171,14 +172,23 @@ class SLOPolicy:
         if not observed:
             return _hold(ctx)
         current = int(ctx.current_num_replicas)
+        state = dict(ctx.policy_state or {})
+        now = getattr(ctx, "current_time", None)
+        if now is None:
+            now = time.time()
+        if state.get("slo_replicas") != current:  # the pool changed: its own p90 starts now
+            changed = "slo_replicas" in state  # (the first decision has nothing to wait for)
+            state["slo_replicas"], state["slo_since"] = current, now if changed else now - _settle_s(ctx)
         desired = self.desired(current, observed)
-        if desired > current and _within_window_of_scale_up(ctx):
-            # The p90 still covers the time before the last scale-up (its window, then Serve's
-            # look-back): the same ratio again would multiply the pool it already grew.
-            desired = float(max(current, int(getattr(ctx, "target_num_replicas", current) or current)))
-        return desired, dict(ctx.policy_state or {})
+        target = int(getattr(ctx, "target_num_replicas", current) or current)
+        if desired > current and (current < target or now - state["slo_since"] < _settle_s(ctx)):
+            # Replicas still starting, or a p90 that still covers the time before the pool grew
+            # (its window, then Serve's look-back): the same ratio again would multiply the pool
+            # it already grew. Hold at what was asked until the pool's own p90 is in.
+            desired = float(max(current, target))
+        return desired, state
 
 
-def _within_window_of_scale_up(ctx: Any) -> bool:
-    last, now = getattr(ctx, "last_scale_up_time", None), getattr(ctx, "current_time", None)
-    return last is not None and now is not None and now - last < LATENCY_WINDOW_S
+def _settle_s(ctx: Any) -> float:
+    look_back = getattr(getattr(ctx, "config", None), "look_back_period_s", None)
+    return LATENCY_WINDOW_S + float(look_back or 0.0)

@@ -23,7 +23,7 @@ from serve_app.config.backends import engine_specs
 from serve_app.config.settings import load_config
 from serve_app.router.direct_http import authorized_operator, openai_call, serve_openai
 from serve_app.router.errors import error_body
-from serve_app.router.sampling_defaults import model_sampling_defaults
+from serve_app.router.sampling_defaults import max_tokens_cap, model_sampling_defaults
 from serve_app.router.service import RouterService
 from serve_app.runtime.cpu_placement import keep_off_engine_cores
 from serve_app.runtime.gc_heap import freeze_startup_heap
@@ -86,6 +86,8 @@ def build_service(config: dict[str, Any], engines: dict[str, Any]) -> RouterServ
     except Exception:
         vocab_size = len(tokenizer)
     transport = app_config.router.engine_transport
+    decode_kwargs = {**app_config.engine_kwargs, **app_config.decode.engine_kwargs}
+    defaults = model_sampling_defaults(app_config.model, decode_kwargs)
     service = RouterService(
         app_config,
         {},
@@ -95,7 +97,8 @@ def build_service(config: dict[str, Any], engines: dict[str, Any]) -> RouterServ
         replica_id=_replica_id(),
         pools={role: (engine_handle(handle, transport), handle) for role, handle in engines.items()},
         app_name=serve.get_replica_context().app_name,
-        sampling_defaults=model_sampling_defaults(app_config.model, {**app_config.engine_kwargs, **app_config.decode.engine_kwargs}),
+        sampling_defaults=defaults,
+        max_tokens_cap=max_tokens_cap(decode_kwargs, defaults),
     )
     service.engine_status = deployment_status  # type: ignore[method-assign]
     return service

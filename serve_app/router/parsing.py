@@ -75,6 +75,7 @@ class ModelContext:
     client_template_timeout_s: float = CLIENT_TEMPLATE_TIMEOUT_S
     # The model's sampling defaults for what a request leaves out (router/sampling_defaults.py).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_tokens_cap: int | None = None  # a bound on every request's max_tokens (the same module)
     encode: PromptEncoder = field(init=False, repr=False)
     # Longer text cannot fit max_model_len tokens whatever it says (no token spells more
     # characters than the vocabulary's longest): refused before the tokenizer spends time on it.
@@ -215,6 +216,8 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     if max_tokens is None:  # the model's default, within the room the context leaves (as vLLM)
         room = ctx.max_model_len - len(prompt_token_ids)
         max_tokens = min(room, int(ctx.sampling_defaults.get("max_tokens") or room))
+    if ctx.max_tokens_cap is not None:
+        max_tokens = min(max_tokens, ctx.max_tokens_cap)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
 
@@ -473,14 +476,15 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
         # speaker's name, and an assistant turn's reasoning (under both names templates use).
         if isinstance(field_of("name"), str):
             turn["name"] = field_of("name")
-        reasoning = field_of("reasoning") or field_of("reasoning_content")
+        reasoning = field_of("reasoning")
+        reasoning = field_of("reasoning_content") if reasoning is None else reasoning
         if role == "assistant" and isinstance(reasoning, str):
             turn["reasoning"] = turn["reasoning_content"] = reasoning
         conversation.append(turn)
     kwargs = dict(request.chat_template_kwargs or {})
     effort = getattr(request, "reasoning_effort", None)
-    if effort is not None:  # as vLLM's server: the template reads it, and opts in to thinking
-        kwargs.setdefault("reasoning_effort", effort)
+    if effort is not None:  # as vLLM's server: the template reads it (the field wins over the
+        kwargs["reasoning_effort"] = effort  # client's kwargs), and it opts in to thinking
         kwargs.setdefault("enable_thinking", effort != "none")
     if request.chat_template is not None:  # trusted by the operator (checked above)
         kwargs["chat_template"] = request.chat_template

@@ -147,6 +147,7 @@ class RouterService:
         pools: dict[Role, tuple[Any, Any]] | None = None,
         app_name: str = "",
         sampling_defaults: dict[str, Any] | None = None,
+        max_tokens_cap: int | None = None,
     ) -> None:
         """``engines``: engines given by name, one handle each (the in-process tests); ``pools``:
         each role's deployment handles (for calls, for stats polls), whose replicas join and leave
@@ -161,6 +162,7 @@ class RouterService:
             tokenizer=tokenizer,
             trust_request_chat_template=config.router.trust_request_chat_template,
             sampling_defaults=dict(sampling_defaults or {}),
+            max_tokens_cap=max_tokens_cap,
         )
         self.metrics = metrics
         audit = LeakAudit(

@@ -26,6 +26,7 @@ ROUTER_TESTS = [
     "tests/unit/test_orchestration.py",
     "tests/unit/test_parsing.py",
     "tests/unit/test_recompute.py",
+    "tests/unit/test_sampling_defaults.py",
     "tests/unit/test_balancer.py",
     "tests/unit/test_text.py",
     "tests/unit/test_config.py",

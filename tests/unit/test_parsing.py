@@ -170,8 +170,13 @@ def test_chat_template_inputs_are_passed_on_or_refused_never_dropped(tiny_tokeni
         (conversation,), kwargs = render.call_args
         assert conversation[0]["name"] == "ann" and conversation[1]["reasoning_content"] == conversation[1]["reasoning"] == "a greeting"
         assert kwargs["reasoning_effort"] == "none" and kwargs["enable_thinking"] is False
-        parse_request("chat", {"messages": messages, "reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}, ctx)
-        assert render.call_args[1]["enable_thinking"] is False  # the client's own wins
+        own = {"enable_thinking": False, "reasoning_effort": "high"}
+        parse_request("chat", {"messages": messages, "reasoning_effort": "low", "chat_template_kwargs": own}, ctx)
+        # The client's own enable_thinking wins; the reasoning_effort field wins over its kwargs.
+        assert render.call_args[1]["enable_thinking"] is False and render.call_args[1]["reasoning_effort"] == "low"
+        empty = [{"role": "assistant", "content": "Hello", "reasoning": ""}, {"role": "user", "content": "More"}]
+        parse_request("chat", {"messages": empty}, ctx)
+        assert render.call_args[0][0][0]["reasoning"] == ""  # passed on, as vLLM does
         parse_request("chat", {"messages": messages}, ctx)
         assert "reasoning_effort" not in render.call_args[1] and "enable_thinking" not in render.call_args[1]
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]

@@ -60,7 +60,8 @@ def test_the_slo_policy_scales_up_at_once_and_down_only_well_under_the_target():
     assert decode(ctx({autoscaling.ITL_P90: [0.01, 0.005]}, current=4))[0] == pytest.approx(2.0)  # well under: at most halve
     assert decode(ctx({autoscaling.ITL_P90: [0.0, 0.0]}, current=4))[0] == pytest.approx(2.0)  # idle
     prefill = autoscaling.SLOPolicy(ttft_p90_s=0.5)
-    assert prefill.metric == autoscaling.TTFT_P90 and prefill(ctx({autoscaling.TTFT_P90: [1.5]}, current=1))[0] == pytest.approx(3.0)
+    assert prefill.metric == autoscaling.TTFT_P90
+    assert prefill(ctx({autoscaling.TTFT_P90: [1.5]}, current=1, target=1))[0] == pytest.approx(3.0)
     with pytest.raises(ValueError):
         autoscaling.SLOPolicy(ttft_p90_s=0.5, itl_p90_s=0.05)
     with pytest.raises(ValueError):
@@ -68,21 +69,28 @@ def test_the_slo_policy_scales_up_at_once_and_down_only_well_under_the_target():
 
 
 def test_the_slo_policy_does_not_compound_a_ratio_measured_before_its_last_scale_up():
-    """The p90 covers the last LATENCY_WINDOW_S: right after a scale-up it still describes the
-    smaller pool, and multiplying the grown pool by it again would double it on every decision."""
+    """The p90 covers the last LATENCY_WINDOW_S (then Serve's look-back): while new replicas
+    start, and for that long after they run, it still describes the smaller pool, and
+    multiplying the grown pool by it again would double it on every decision (2, 4, 8, ...)."""
     decode = autoscaling.SLOPolicy(itl_p90_s=0.05)
-    slow = {autoscaling.ITL_P90: [0.1, 0.1, 0.1, 0.1]}
-    just_grown = ctx(slow, current=4, target=4)
-    just_grown.last_scale_up_time, just_grown.current_time = 1000.0, 1000.0 + autoscaling.LATENCY_WINDOW_S / 2
-    assert decode(just_grown)[0] == 4.0
-    # Once the window has turned over, a miss is the grown pool's own: up again.
-    later = ctx(slow, current=4, target=4)
-    later.last_scale_up_time, later.current_time = 1000.0, 1000.0 + autoscaling.LATENCY_WINDOW_S + 1
-    assert decode(later)[0] == pytest.approx(8.0)
-    # Scaling down is not held.
-    fast = ctx({autoscaling.ITL_P90: [0.01] * 4}, current=4, target=4)
-    fast.last_scale_up_time, fast.current_time = 1000.0, 1001.0
-    assert decode(fast)[0] < 4.0
+    slow = {autoscaling.ITL_P90: [0.1, 0.1]}
+    state: dict = {}
+
+    def decide(current: int, target: int, now: float, metrics: dict = slow) -> float:
+        nonlocal state
+        c = ctx(metrics, current=current, target=target)
+        c.policy_state, c.current_time, c.config = state, now, SimpleNamespace(look_back_period_s=10.0)
+        desired, state = decode(c)
+        return desired
+
+    assert decide(2, 2, 0.0) == 4.0  # first miss: up at once, measured on its 2 replicas
+    assert decide(2, 4, 10.0) == 4.0  # the 2 new ones still starting: hold at what was asked
+    assert decide(2, 4, 60.0) == 4.0  # however long they take
+    assert decide(4, 4, 90.0) == 4.0  # running now, but the p90 still covers the old pool
+    assert decide(4, 4, 90.0 + autoscaling.LATENCY_WINDOW_S + 9) == 4.0
+    assert decide(4, 4, 90.0 + autoscaling.LATENCY_WINDOW_S + 11) == pytest.approx(8.0)  # its own miss
+    fast = {autoscaling.ITL_P90: [0.01] * 4}
+    assert decide(4, 8, 200.0, fast) < 4.0  # scaling down is never held
 
 
 def test_a_policy_is_what_serve_runs_from_the_config():

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from serve_app.router.parsing import ModelContext, parse_request
-from serve_app.router.sampling_defaults import model_sampling_defaults
+from serve_app.router.sampling_defaults import max_tokens_cap, model_sampling_defaults
 
 TINY_MODEL = ".cache/tiny-llama"
 
@@ -52,3 +52,23 @@ def test_a_request_takes_the_defaults_only_for_what_it_leaves_out(tiny_tokenizer
     # The default max_tokens never passes the room the context leaves.
     long = parse_request("chat", {"messages": [{"role": "user", "content": "Hi " * 82}]}, ctx)
     assert long.max_tokens == 256 - len(long.prompt_token_ids) < 7
+
+
+def test_a_generation_config_the_router_cannot_read_leaves_no_defaults_not_a_dead_router(caplog):
+    """A directory only the engines' nodes have, or a repository while offline: vLLM raises a
+    ValueError there, which would have failed every router replica's start."""
+    assert model_sampling_defaults(TINY_MODEL, {"generation_config": "/nowhere/at/all"}) == {}
+    assert "could not be read" in caplog.text
+
+
+def test_max_tokens_is_capped_as_vllms_server_caps_it(model_dir, tiny_tokenizer):
+    """vLLM's server bounds every request's max_tokens, the client's too: by
+    override_generation_config's max_new_tokens, or by the defaults' when generation_config
+    names a directory (a model's own generation_config.json, 'auto', sets only a default)."""
+    assert max_tokens_cap({"override_generation_config": {"max_new_tokens": 5}}, {"max_tokens": 5}) == 5
+    assert max_tokens_cap({"generation_config": model_dir}, {"max_tokens": 100}) == 100
+    assert max_tokens_cap({}, {"max_tokens": 100}) is None
+    ctx = ModelContext(name="m", aliases=frozenset(), max_model_len=256, vocab_size=1024, tokenizer=tiny_tokenizer, max_tokens_cap=5)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 30}
+    assert parse_request("chat", chat, ctx).max_tokens == 5
+    assert parse_request("completions", {"prompt": "Hi"}, ctx).max_tokens == 5  # under OpenAI's 16
