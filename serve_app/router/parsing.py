@@ -474,8 +474,9 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
                 raise bad_request(f"messages[{i}].{name}: tool calling is not supported by this server", param=f"messages.{i}.{name}")
         # What templates read besides role and content, as vLLM's server passes it on: the
         # speaker's name, and an assistant turn's reasoning (under both names templates use).
-        if isinstance(field_of("name"), str):
-            turn["name"] = field_of("name")
+        speaker = field_of("name")
+        if isinstance(speaker, str):
+            turn["name"] = speaker
         reasoning = field_of("reasoning")
         reasoning = field_of("reasoning_content") if reasoning is None else reasoning
         if role == "assistant" and isinstance(reasoning, str):
