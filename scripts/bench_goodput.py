@@ -23,17 +23,27 @@ Targets, on the same cores (all of the host's):
   ``LOCAL_PREFILL_MAX_TOKENS``: a prompt that short is prefilled by the decode engine itself
   (Dynamo's conditional disaggregation), the prefill engine gets the long ones.
 
-Workload: Poisson arrivals at each rate of ``--rates`` (requests per second), a fixed mix
-(``LONG_SHARE`` long prompts of ``LONG_IN`` tokens, the rest chat-sized ``SHORT_IN`` in), every
-request ``OUT`` output tokens, greedy, ``ignore_eos``, random token ids from a fixed seed (the
-same requests for every target). Per rate: TTFT p90, ITL p99 (the gaps between streamed chunks:
-the stalls a reader sees), TPOT p90, output tokens/s, SLO attainment and goodput.
+Workload: one sequence of Poisson arrivals, drawn once and scaled to each rate of ``--rates``
+(requests per second) so that its span is exactly ``--requests / rate``: every rate offers what
+its label says, and the rates differ in pace only, not in the luck of the draw. A fixed mix,
+``LONG_SHARE`` of the requests long prompts of ``LONG_IN`` tokens at the same places in the
+sequence, the rest chat-sized ``SHORT_IN`` in, every request ``OUT`` output tokens, greedy,
+``ignore_eos``. Prompts are random token ids from a seed per rate (a rate's prompts are not in
+the cache from the one before; every target gets the same requests). Per rate: TTFT p90, ITL p99
+per token, TPOT p90, output tokens/s, SLO attainment and goodput.
+
+ITL is counted per token, as a reader sees it: a chunk of k tokens after a gap of g is one wait of
+g and k - 1 of none. vLLM's server sends a token per chunk and pd-serve several (its stream
+pacing), so gaps between chunks alone would weigh each of pd-serve's stalls several times more;
+the p99 of chunk gaps is kept in the JSON (``itl_chunk_p99_s``).
 
 SLOs, fixed before any run (never tuned to a result): TTFT at most ``TTFT_SLO_S`` (several times
 a long prompt's prefill on one core, DistServe's headroom for queueing) and TPOT at most
 ``TPOT_SLO_S`` (a fast reader's pace; about a dozen decode steps of a batch of 8). Goodput at a
-rate is the number of requests that met both, per second of the span over which they arrived; the table also gives DistServe's
-summary, the highest rate at which at least ``ATTAINMENT`` of the requests met both.
+rate is the number of requests that met both, per second of the span over which they arrived. DistServe's summary is the
+highest rate at which at least ``ATTAINMENT`` of the requests met both; the report gives the highest
+rate tried that did and the rate where attainment crosses ``ATTAINMENT``, interpolated linearly
+between that rate and the next one tried (the grid is coarse).
 
 Also, ``ALONE`` long prompts one at a time: their TTFT on the disaggregated target against the
 prefill engine's own prefill time, measured as vLLM's server on the prefill engine's core with its
@@ -49,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -88,6 +99,7 @@ LOCAL_PREFILL_MAX_TOKENS = 256
 ALONE = 8  # long prompts one at a time, per measurement of a prompt alone
 OVERRIDES: dict[str, Any] = {}  # --set KEY=JSON: app args of the pd-serve targets (dotted keys nest)
 VOCAB_LOW, VOCAB_HIGH = 10, 1000  # ordinary tokens of the recipe's tokenizer (no special ids)
+ARRIVAL_SEED = 1  # the one arrival sequence and mix, fixed before any run
 
 
 # ---------------------------------------------------------------------------- the workload (pure)
@@ -99,15 +111,21 @@ class Request:
 
 
 def workload(rate: float, count: int, seed: int) -> list[Request]:
-    """``count`` requests with exponential gaps of mean ``1 / rate``; the same for every target."""
-    rng = random.Random(seed)
-    at, out = 0.0, []
-    for _ in range(count):
-        at += rng.expovariate(rate)
-        long = rng.random() < LONG_SHARE
-        n = LONG_IN if long else SHORT_IN
-        out.append(Request(at, [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)], long))
-    return out
+    """``count`` requests at ``rate``; the same for every target.
+
+    The arrivals and which requests are long come from ``ARRIVAL_SEED`` alone: one Poisson
+    sequence, scaled so that the last arrival is at ``count / rate`` (the offered rate is the
+    nominal one), with exactly ``round(LONG_SHARE * count)`` long prompts. ``seed`` draws the
+    prompts' tokens."""
+    arrivals = random.Random(ARRIVAL_SEED)
+    times = list(itertools.accumulate(arrivals.expovariate(1.0) for _ in range(count)))
+    scale = count / rate / times[-1] if times else 0.0
+    longs = set(arrivals.sample(range(count), round(LONG_SHARE * count)))
+    tokens = random.Random(seed)
+    return [
+        Request(at * scale, [tokens.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(LONG_IN if i in longs else SHORT_IN)], i in longs)
+        for i, at in enumerate(times)
+    ]
 
 
 @dataclass
@@ -116,10 +134,21 @@ class Outcome:
     ok: bool = False
     error: str | None = None
     ttft_s: float | None = None
-    chunk_gaps_s: list[float] = field(default_factory=list)
+    chunk_gaps_s: list[float] = field(default_factory=list)  # between chunks with text
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens each of those chunks brought
+    first_chunk_tokens: int = 1
     e2e_s: float | None = None
     tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # only when asked for (return_token_ids)
+
+    @property
+    def token_gaps_s(self) -> list[float]:
+        """Each token's wait after the one before it reached the client (a chunk of k tokens: one
+        wait and k - 1 of none); as many as the tokens after the first, as vLLM's server gives."""
+        gaps = [0.0] * (self.first_chunk_tokens - 1)
+        for gap, k in zip(self.chunk_gaps_s, self.chunk_tokens, strict=True):
+            gaps += [gap] + [0.0] * (k - 1)
+        return gaps
 
     @property
     def tpot_s(self) -> float | None:
@@ -150,7 +179,8 @@ def summarize(outcomes: list[Outcome], wall_s: float, span_s: float) -> dict[str
         "requests": len(outcomes),
         "failed": len(outcomes) - len(done),
         "ttft_p90_s": percentile([o.ttft_s for o in done if o.ttft_s is not None], 90),
-        "itl_p99_s": percentile([g for o in done for g in o.chunk_gaps_s], 99),
+        "itl_p99_s": percentile([g for o in done for g in o.token_gaps_s], 99),
+        "itl_chunk_p99_s": percentile([g for o in done for g in o.chunk_gaps_s], 99),
         "tpot_p90_s": percentile([t for o in done if (t := o.tpot_s) is not None], 90),
         "short_ttft_p90_s": percentile([o.ttft_s for o in done if not o.long and o.ttft_s is not None], 90),
         "tokens_per_s": sum(o.tokens for o in done) / wall_s if wall_s > 0 else math.nan,
@@ -162,6 +192,18 @@ def summarize(outcomes: list[Outcome], wall_s: float, span_s: float) -> dict[str
 def max_rate_meeting(per_rate: dict[float, dict[str, float]], attainment: float = ATTAINMENT) -> float:
     """DistServe's goodput: the highest rate tried at which enough requests met both SLOs (0 if none)."""
     return max((rate for rate, s in per_rate.items() if s["attainment"] >= attainment), default=0.0)
+
+
+def knee_rate(per_rate: dict[float, dict[str, float]], attainment: float = ATTAINMENT) -> tuple[float, bool]:
+    """Where attainment falls through ``attainment``: linear between the highest rate tried that
+    met it and the next rate tried (the grid is too coarse to compare knees by). (rate, exact):
+    ``exact`` is False when no higher rate was tried (the knee is at least that) or none met it."""
+    best = max_rate_meeting(per_rate, attainment)
+    above = sorted(r for r in per_rate if r > best)
+    if not best or not above:
+        return best, False
+    low, high = per_rate[best]["attainment"], per_rate[above[0]]["attainment"]
+    return best + (low - attainment) / (low - high) * (above[0] - best), True
 
 
 # ---------------------------------------------------------------------------- the client
@@ -180,11 +222,10 @@ async def one_request(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # how many tokens each chunk brings (per-token ITL)
     }
-    if token_ids:
-        body["return_token_ids"] = True
     sent = time.perf_counter()
-    last = None
+    last, pending = None, 0
     try:
         async with session.post(url, json=body) as response:
             if response.status != 200:
@@ -198,14 +239,18 @@ async def one_request(
                 if event.get("usage"):
                     outcome.tokens = int(event["usage"]["completion_tokens"])
                 for choice in event.get("choices") or []:
-                    outcome.token_ids += choice.get("token_ids") or []
+                    ids = choice.get("token_ids") or []
+                    pending += len(ids)
+                    if token_ids:
+                        outcome.token_ids += ids
                 if not any(choice.get("text") for choice in event.get("choices") or []):
-                    continue
-                now = time.perf_counter()
+                    continue  # tokens without text yet (a character split across tokens) arrive with the next text
+                now, brought, pending = time.perf_counter(), max(1, pending), 0
                 if last is None:
-                    outcome.ttft_s = now - sent
+                    outcome.ttft_s, outcome.first_chunk_tokens = now - sent, brought
                 else:
                     outcome.chunk_gaps_s.append(now - last)
+                    outcome.chunk_tokens.append(brought)
                 last = now
         outcome.e2e_s = time.perf_counter() - sent
         outcome.ok = outcome.tokens == max_tokens
@@ -317,7 +362,8 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
     targets = [t for t in TARGETS if t in results]
     lines = [
         f"SLOs: TTFT <= {TTFT_SLO_S * 1000:.0f} ms and TPOT <= {TPOT_SLO_S * 1000:.0f} ms; workload {LONG_SHARE:.0%} x {LONG_IN} in, "
-        f"the rest {SHORT_IN} in, {OUT} out each, Poisson arrivals",
+        f"the rest {SHORT_IN} in, {OUT} out each, Poisson arrivals (one sequence scaled to each rate: the rates are the offered ones); "
+        "ITL per token (a chunk of k tokens is one wait and k - 1 of none)",
         "",
     ]
     columns = (("goodput/s", 10), ("attain", 8), ("TTFT p90", 10), ("ITL p99", 9), ("TPOT p90", 10), ("tok/s", 8), ("failed", 7))
@@ -347,11 +393,19 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
         lines.append("")
     if "vllm" in best and len(best) > 1:
         lines.append(
-            f"Highest rate with >= {ATTAINMENT:.0%} within both SLOs: "
+            f"Highest rate tried with >= {ATTAINMENT:.0%} within both SLOs: "
             + ", ".join(f"{t} {r:.1f}/s" for t, r in best.items())
             + " ("
             + ", ".join(f"{t} {ratio(best[t], best['vllm'])}" for t in targets if t != "vllm")
             + " of vLLM's server)"
+        )
+        knees = {t: knee_rate(results[t]["rates"]) for t in targets}
+        lines.append(
+            f"Where attainment crosses {ATTAINMENT:.0%}, interpolated between the rates tried: "
+            + ", ".join(f"{t} {'' if exact else '>= '}{r:.1f}/s" for t, (r, exact) in knees.items())
+            + " ("
+            + ", ".join(f"{t} {ratio(knees[t][0], knees['vllm'][0])}" for t in targets if t != "vllm")
+            + " of vLLM's server; goal >= 1.30x)"
         )
     dis = [t for t in results.get("disaggregated", {}).get("long_alone_ttft_s") or [] if t is not None]
     if dis and prefill_alone_s:
@@ -382,7 +436,7 @@ def plot(results: dict[str, dict[str, Any]], rates: list[float], path: Path) -> 
         right.plot(rates, [per[r]["tpot_p90_s"] * 1000 for r in rates], marker="o", label=t)
     left.plot(rates, rates, linestyle=":", color="grey", label="offered")
     left.set(xlabel="request rate (req/s)", ylabel="goodput (req/s within both SLOs)", title="Goodput")
-    middle.set(xlabel="request rate (req/s)", ylabel="ITL p99 (ms)", title="Inter-chunk latency p99", yscale="log")
+    middle.set(xlabel="request rate (req/s)", ylabel="ITL p99 (ms)", title="Inter-token latency p99, per token", yscale="log")
     right.axhline(TPOT_SLO_S * 1000, linestyle=":", color="grey", label="TPOT SLO")
     right.set(xlabel="request rate (req/s)", ylabel="TPOT p90 (ms)", title="Time per output token p90")
     for ax in (left, middle, right):

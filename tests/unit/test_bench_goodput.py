@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -20,15 +21,26 @@ def test_the_workload_is_the_same_for_every_target_and_has_the_stated_mix(goodpu
     first, again = goodput.workload(4.0, 2000, seed=3), goodput.workload(4.0, 2000, seed=3)
     assert first == again
     assert goodput.workload(4.0, 50, seed=4) != goodput.workload(4.0, 50, seed=3)
-    share = sum(r.long for r in first) / len(first)
-    assert abs(share - goodput.LONG_SHARE) < 0.03
+    assert sum(r.long for r in first) == round(goodput.LONG_SHARE * 2000)
     assert {len(r.prompt) for r in first} == {goodput.LONG_IN, goodput.SHORT_IN}
     assert all(len(r.prompt) == goodput.LONG_IN for r in first if r.long)
-    # Poisson arrivals: increasing times whose mean gap is 1 / rate.
+    # Poisson arrivals: increasing times, the last at count / rate (the offered rate is the label).
     times = [r.at_s for r in first]
-    assert times == sorted(times)
-    assert abs(times[-1] / len(times) - 1 / 4.0) < 0.03
+    assert times == sorted(times) and times[0] > 0
+    assert times[-1] == pytest.approx(2000 / 4.0)
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    assert statistics.pstdev(gaps) == pytest.approx(1 / 4.0, rel=0.1)  # exponential: deviation = mean
     assert all(goodput.VOCAB_LOW <= t < goodput.VOCAB_HIGH for r in first[:20] for t in r.prompt)
+
+
+def test_every_rate_offers_one_arrival_sequence_at_its_own_pace_with_new_prompts(goodput):
+    """The rates differ in pace only: the same arrivals scaled, the long prompts at the same places;
+    the tokens differ, so a rate does not find the prompts of the one before in the cache."""
+    slow, fast = goodput.workload(4.0, 100, seed=4000), goodput.workload(8.0, 100, seed=8000)
+    assert [f.at_s for f in fast] == pytest.approx([s.at_s / 2 for s in slow])
+    assert [f.long for f in fast] == [s.long for s in slow]
+    assert len(fast) / fast[-1].at_s == pytest.approx(8.0)
+    assert not {tuple(s.prompt) for s in slow} & {tuple(f.prompt) for f in fast}
 
 
 def test_a_request_meets_the_slos_only_when_it_finished_within_both(goodput):
@@ -45,18 +57,38 @@ def test_a_request_meets_the_slos_only_when_it_finished_within_both(goodput):
 def test_summary_counts_goodput_per_second_and_failed_requests_against_it(goodput):
     slo_ttft, slo_tpot = goodput.TTFT_SLO_S, goodput.TPOT_SLO_S
     good = goodput.Outcome(long=False, ok=True, ttft_s=slo_ttft / 2, e2e_s=slo_ttft / 2 + slo_tpot / 2 * 9, tokens=10)
-    good.chunk_gaps_s = [slo_tpot / 2] * 9
+    good.chunk_gaps_s, good.chunk_tokens = [slo_tpot / 2] * 9, [1] * 9
     slow = goodput.Outcome(long=True, ok=True, ttft_s=slo_ttft * 2, e2e_s=slo_ttft * 2 + 0.001 * 9, tokens=10)
-    slow.chunk_gaps_s = [0.001] * 8 + [0.5]
+    slow.chunk_gaps_s, slow.chunk_tokens = [0.001] * 8 + [0.5], [1] * 9
     failed = goodput.Outcome(long=False, error="HTTP 500")
     summary = goodput.summarize([good, good, slow, failed], wall_s=2.0, span_s=1.0)
     assert summary["requests"] == 4 and summary["failed"] == 1
     assert summary["goodput_rps"] == pytest.approx(2.0)  # per second of offered load, not of the drain
     assert summary["attainment"] == pytest.approx(0.5)
-    assert summary["itl_p99_s"] == pytest.approx(0.5)
+    assert summary["itl_p99_s"] == summary["itl_chunk_p99_s"] == pytest.approx(0.5)  # one token per chunk: the same
     assert summary["ttft_p90_s"] == pytest.approx(slo_ttft * 2)
     assert summary["short_ttft_p90_s"] == pytest.approx(slo_ttft / 2)
     assert summary["tokens_per_s"] == pytest.approx(15.0)
+
+
+def test_itl_is_per_token_so_that_a_stream_of_several_tokens_per_chunk_is_weighed_as_one_of_single_tokens(goodput):
+    """A reader who gets 4 tokens after 40 ms waited 40 ms once, not four times: the per-token
+    gaps are as many as the tokens after the first, whatever the chunking."""
+    paced = goodput.Outcome(long=False, ok=True, ttft_s=0.1, e2e_s=0.1 + 0.04 * 3, tokens=10, first_chunk_tokens=1)
+    paced.chunk_gaps_s, paced.chunk_tokens = [0.04, 0.04, 0.04], [4, 4, 1]
+    assert paced.token_gaps_s == [0.04, 0.0, 0.0, 0.0, 0.04, 0.0, 0.0, 0.0, 0.04]
+    batched_first = goodput.Outcome(long=False, ok=True, ttft_s=0.1, e2e_s=0.2, tokens=4, first_chunk_tokens=3)
+    batched_first.chunk_gaps_s, batched_first.chunk_tokens = [0.1], [1]
+    assert batched_first.token_gaps_s == [0.0, 0.0, 0.1]
+    # 10 streams of 100 tokens, each with one 0.5 s stall: one token per chunk puts the stall in
+    # 1% of the gaps, 4 per chunk in 4%; per token it is 1% either way.
+    single = goodput.Outcome(long=False, ok=True, ttft_s=0.1, e2e_s=1.0, tokens=100)
+    single.chunk_gaps_s, single.chunk_tokens = [0.5] + [0.005] * 98, [1] * 99
+    four = goodput.Outcome(long=False, ok=True, ttft_s=0.1, e2e_s=1.0, tokens=100, first_chunk_tokens=4)
+    four.chunk_gaps_s, four.chunk_tokens = [0.5] + [0.02] * 23, [4] * 24
+    a, b = goodput.summarize([single] * 10, 1.0, 1.0), goodput.summarize([four] * 10, 1.0, 1.0)
+    assert a["itl_p99_s"] == b["itl_p99_s"] == pytest.approx(0.5)
+    assert b["itl_chunk_p99_s"] == pytest.approx(0.5) and goodput.percentile([g for g in four.token_gaps_s], 95) < 0.5
 
 
 def test_percentile_is_nearest_rank(goodput):
@@ -70,6 +102,16 @@ def test_distserve_goodput_is_the_highest_rate_with_enough_attainment(goodput):
     per_rate = {1.0: {"attainment": 1.0}, 2.0: {"attainment": 0.95}, 4.0: {"attainment": 0.5}, 3.0: {"attainment": 0.89}}
     assert goodput.max_rate_meeting(per_rate) == 2.0
     assert goodput.max_rate_meeting({1.0: {"attainment": 0.1}}) == 0.0
+
+
+
+def test_the_knee_is_interpolated_between_the_rates_tried(goodput):
+    per_rate = {4.0: {"attainment": 1.0}, 8.0: {"attainment": 0.95}, 12.0: {"attainment": 0.45}, 16.0: {"attainment": 0.2}}
+    assert goodput.knee_rate(per_rate) == (pytest.approx(8.4), True)  # 0.95 -> 0.45 over 4/s crosses 0.9 a tenth in
+    assert goodput.knee_rate({4.0: {"attainment": 1.0}, 8.0: {"attainment": 0.9}}) == (8.0, False)  # at least the last rate
+    assert goodput.knee_rate({4.0: {"attainment": 0.5}}) == (0.0, False)
+    # DistServe's summary is the highest rate that met, even past a rate that did not.
+    assert goodput.knee_rate({4.0: {"attainment": 0.95}, 8.0: {"attainment": 0.5}, 12.0: {"attainment": 0.9}}) == (12.0, False)
 
 
 def test_every_target_uses_every_core_and_the_same_step_budget(goodput):
@@ -118,6 +160,7 @@ def test_a_saved_run_is_reported_again_with_every_ratio(goodput, tmp_path, capsy
     out = capsys.readouterr().out
     assert "Disaggregated against vLLM's server" in out and "rate  4.0: ITL p99 0.50x, goodput 1.50x, TPOT p90 0.50x" in out
     assert "Disaggregated against pd-serve colocated" in out and "rate  4.0: ITL p99 0.25x, goodput 3.00x, TPOT p90 0.40x" in out
+    assert "interpolated between the rates tried: vllm >= 4.0/s, colocated >= 4.0/s, disaggregated >= 4.0/s" in out
 
 
 @pytest.mark.parametrize(
