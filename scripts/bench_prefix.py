@@ -154,42 +154,54 @@ def multi_turn(port: int, quick: bool, seed: int = 0) -> dict[str, Any]:
     failures = 0
 
     async def conversation(session: aiohttp.ClientSession, index: int, slots: asyncio.Semaphore) -> None:
-        nonlocal outputs, failures
-        history = list(systems[index % len(systems)])
+        """Every turn; a turn that fails counts with every turn after it (they need its answer)."""
+        nonlocal failures
         async with slots:
-            for _ in range(turns):
-                history += [rng.randrange(20, 1000) for _ in range(user_len)]
-                body = {
-                    "model": SERVED_NAME,
-                    "prompt": history,
-                    "max_tokens": answer_len,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "return_token_ids": True,
-                }
-                sent = time.perf_counter()
-                first = None
-                answer: list[int] = []
-                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
-                    if response.status != 200:
-                        failures += 1
-                        return
-                    async for raw in response.content:
-                        line = raw.strip()
-                        if not line.startswith(b"data:") or line == b"data: [DONE]":
-                            continue
-                        chunk = json.loads(line[5:])
-                        ids = (chunk.get("choices") or [{}])[0].get("token_ids") or []
-                        if ids and first is None:
-                            first = time.perf_counter() - sent
-                        answer += ids
-                if first is None or len(answer) != answer_len:
-                    failures += 1
-                    return
-                ttfts.append(first)
-                outputs += len(answer)
-                history += answer  # the next turn carries the engine's own answer
+            done = 0
+            try:
+                done = await turns_of(session, index)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                pass
+            failures += turns - done
+
+    async def turns_of(session: aiohttp.ClientSession, index: int) -> int:
+        """The turns that completed, up to the first that did not."""
+        nonlocal outputs
+        # Each conversation's own draws: the same user turns whichever order the conversations run in.
+        user = random.Random(f"{seed}/{index}")
+        history = list(systems[index % len(systems)])
+        for turn in range(turns):
+            history += [user.randrange(20, 1000) for _ in range(user_len)]
+            body = {
+                "model": SERVED_NAME,
+                "prompt": history,
+                "max_tokens": answer_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
+            sent = time.perf_counter()
+            first = None
+            answer: list[int] = []
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+                if response.status != 200:
+                    return turn
+                async for raw in response.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    ids = (chunk.get("choices") or [{}])[0].get("token_ids") or []
+                    if ids and first is None:
+                        first = time.perf_counter() - sent
+                    answer += ids
+            if first is None or len(answer) != answer_len:
+                return turn
+            ttfts.append(first)
+            outputs += len(answer)
+            history += answer  # the next turn carries the engine's own answer
+        return turns
 
     async def run() -> float:
         slots = asyncio.Semaphore(concurrency)
@@ -328,7 +340,10 @@ def main(argv: list[str]) -> int:
     print(text)
     if opts.out:
         opts.out.write_text(json.dumps({"results": results, "routing_cost": cost}, indent=2))
-    return 0
+    failed = sum(r.get("failed", 0) for per_policy in results.values() for r in per_policy.values())
+    if failed:
+        print(f"{failed} requests failed: the figures above are not a clean run", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -163,10 +164,12 @@ def log_tail(log: Path, lines: int = 40) -> str:
 @contextlib.contextmanager
 def started(cmd: list[str], env: dict[str, str], log: Path, health_url: str, repo: Path, timeout_s: float = 300) -> Iterator[None]:
     """A server process started in its own session from ``repo``, healthy before the body runs,
-    stopped by SIGTERM (and SIGKILL of its group if it lingers) after."""
+    stopped by SIGTERM (and SIGKILL of its group if it lingers) after, also when the benchmark
+    itself is stopped by SIGTERM (its own session would otherwise outlive it, holding ports)."""
     env = {**env, "PYTHONPATH": str(repo)} if repo != REPO_ROOT else env
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=repo, start_new_session=True)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if threading.current_thread() is threading.main_thread() else None
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -187,7 +190,13 @@ def started(cmd: list[str], env: dict[str, str], log: Path, health_url: str, rep
             pass
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         wait_for_no_engines()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def wait_for_no_engines(timeout_s: float = 60) -> None:
@@ -330,15 +339,18 @@ def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def merge_rounds(rounds: list[dict[str, dict[str, Any]]], workloads: list[Workload]) -> dict[str, dict[str, Any]]:
     """One result per target from its starts in every round (``run_target``'s): each workload's
     median run among all of them, the host speed around every start, and, for the mocks, the
-    median router-added TTFT. ``paired`` keeps each round's median throughput, so that a ratio
-    can be taken between targets run minutes apart rather than between whole runs."""
+    median router-added TTFT. ``paired`` keeps each round's median throughput and ``paired_ttft``
+    that run's TTFT p50, so that a ratio can be taken between targets run minutes apart rather
+    than between whole runs (the median runs of two targets may come from different rounds)."""
     merged: dict[str, dict[str, Any]] = {}
     for target in rounds[0]:
         starts = [r[target] for r in rounds]
         result: dict[str, Any] = {"host_speed": [speed for start in starts for speed in start["host_speed"]]}
         for w in workloads:
             result[w.name] = representative([run for start in starts for run in start[w.name]])
-            result[w.name]["paired"] = [representative(start[w.name])["result"].get("output_throughput") for start in starts]
+            chosen = [representative(start[w.name])["result"] for start in starts]
+            result[w.name]["paired"] = [run.get("output_throughput") for run in chosen]
+            result[w.name]["paired_ttft"] = [run.get("median_ttft_ms") for run in chosen]
         added = [start["router_added_ttft"] for start in starts if "router_added_ttft" in start]
         if added:
             result["router_added_ttft"] = {k: statistics.median(a[k] for a in added) for k in added[0]}
@@ -346,10 +358,11 @@ def merge_rounds(rounds: list[dict[str, dict[str, Any]]], workloads: list[Worklo
     return merged
 
 
-def paired_ratios(results: dict[str, dict[str, Any]], target: str, workload: str) -> list[float]:
-    """Round by round, ``target``'s output throughput over vLLM's server's in the same round."""
-    ours = results[target][workload].get("paired") or []
-    theirs = results["vllm"][workload].get("paired") or []
+def paired_ratios(results: dict[str, dict[str, Any]], target: str, workload: str, key: str = "paired") -> list[float]:
+    """Round by round, ``target``'s output throughput (``key="paired_ttft"``: TTFT p50) over
+    vLLM's server's in the same round."""
+    ours = results[target][workload].get(key) or []
+    theirs = results["vllm"][workload].get(key) or []
     return [a / b for a, b in zip(ours, theirs) if a and b]
 
 
@@ -545,14 +558,17 @@ def report(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> str
         lines += ["Output tok/s of each repetition, in the order run (the table shows the median one):", *spread, ""]
     rounds = max((len(results[t][w.name].get("paired") or []) for t in targets for w in workloads if w.name in results[t]), default=0)
     if "vllm" in results and rounds > 1:
-        lines.append(f"Ratios to vLLM's server round by round (each target started once a round, {rounds} rounds; median first):")
-        for t in targets:
-            for w in workloads:
-                ratios = paired_ratios(results, t, w.name) if t != "vllm" else []
-                if ratios:
-                    each = " ".join(f"{r:.2f}x" for r in ratios)
-                    lines.append(f"  {t:<15}{w.name:<8}{statistics.median(ratios):.2f}x   ({each})")
-        lines.append("")
+        for key, what in (("paired", "Output tok/s"), ("paired_ttft", "TTFT p50")):
+            lines.append(
+                f"{what} ratios to vLLM's server round by round (each target started once a round, {rounds} rounds; median first):"
+            )
+            for t in targets:
+                for w in workloads:
+                    ratios = paired_ratios(results, t, w.name, key) if t != "vllm" else []
+                    if ratios:
+                        each = " ".join(f"{r:.2f}x" for r in ratios)
+                        lines.append(f"  {t:<15}{w.name:<8}{statistics.median(ratios):.2f}x   ({each})")
+            lines.append("")
     lines.append("CPU seconds per process kind during the median run (router µs per output token in the last column)")
     head = f"{'target':<15}{'workload':<8}" + "".join(f"{k:>15}" for k in CPU_KINDS) + f"{'router µs/tok':>15}"
     lines += [head, "-" * len(head)]

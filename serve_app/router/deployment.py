@@ -106,12 +106,22 @@ def build_service(config: dict[str, Any], engines: dict[str, Any]) -> RouterServ
 
 @http_app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    _count_refusal(request, exc.status_code)
     return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code)
 
 
 @http_app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    _count_refusal(request, 400)
     return JSONResponse(error_body(str(exc), 400), 400)
+
+
+def _count_refusal(request: Request, status: int) -> None:
+    """A path or method no route serves, counted as the direct HTTP server counts it (the
+    replica's service is on the app's state: one router replica per process)."""
+    service = getattr(request.app.state, "service", None)
+    if service is not None:
+        service.refused("other", status)
 
 
 @serve.deployment
@@ -121,6 +131,7 @@ class Router:
         to_serve_logs()
         quiet_cancelled_requests()
         self.service = build_service(config, engines)
+        http_app.state.service = self.service
         # Off the cores the engines' threads are bound to, where the host has others.
         cores = engines_cores if engines_cores is not None else engine_specs(self.service.config)[0].engines_cores
         keep_off_engine_cores(set(cores), "router replica")

@@ -108,6 +108,7 @@ class EnginePool:
         self._by_replica: dict[str, tuple[str, Role]] = {}
         self._pool_handles: dict[Role, tuple[Any, Any]] = {}
         self.on_joined: Callable[[str], None] | None = None
+        self.on_drained: Callable[[Role], None] | None = None  # a role's choosable engines changed
         self.prefix = prefix
         self.pick_at_random = pick_at_random  # router.balancer: random (a benchmark's baseline)
         # Told of each choice made by prefix: (role, engine, prompt tokens it is expected to hold).
@@ -174,6 +175,8 @@ class EnginePool:
             watcher()
         if load.inflight == 0:
             self._forget(name)
+        if self.on_drained is not None:
+            self.on_drained(member.role)
 
     def _add(self, member: Member) -> None:
         self.members[member.name] = member

@@ -181,6 +181,7 @@ class RouterService:
             pick_at_random=config.router.balancer == "random",
         )
         self.pool.on_prefix_choice = lambda role, engine, tokens: metrics.prefix_routed.inc(tokens, tags={"role": role, "engine": engine})
+        self.pool.on_drained = self._report_pool
         self.pools = pools or {}
         self.app_name = app_name
         self._unsubscribe: list[Callable[[], None]] = []
@@ -224,6 +225,11 @@ class RouterService:
         """Serve's latest list of ``role``'s replicas: the pool follows it, and the gauge says how
         many of them the router can now choose."""
         self.pool.update(role, running)
+        self._report_pool(role)
+
+    def _report_pool(self, role: Role) -> None:
+        """The gauge follows a drain as soon as this router learns of it (an engine that answered
+        that it is leaving, before Serve's list says so)."""
         self.metrics.pool_replicas.set(self.pool.choosable(role), tags={"role": role})
 
     def stop(self) -> None:

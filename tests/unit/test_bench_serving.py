@@ -18,9 +18,9 @@ def bench():
         yield modules["bench_serving"]
 
 
-def run(tok_s: float, failed: int = 0, router_cpu: float = 1.0) -> dict:
+def run(tok_s: float, failed: int = 0, router_cpu: float = 1.0, ttft_ms: float = 10.0) -> dict:
     return {
-        "result": {"output_throughput": tok_s, "failed": failed, "total_output_tokens": 1000},
+        "result": {"output_throughput": tok_s, "failed": failed, "total_output_tokens": 1000, "median_ttft_ms": ttft_ms},
         "cpu": {"router": router_cpu},
         "wall_s": 1.0,
     }
@@ -97,9 +97,18 @@ def test_rounds_merge_into_the_median_run_of_all_starts_with_ratios_round_by_rou
     workloads = [bench.Workload("c=8", 8, 256, 64, 16)]
     speed = [{"loop_ms": 50.0, "wakeup_us": 40.0}, {"loop_ms": 51.0, "wakeup_us": 41.0}]
     rounds = [
-        {"vllm": {"host_speed": speed, "c=8": [run(4000)]}, "disaggregated": {"host_speed": speed, "c=8": [run(3000)]}},
-        {"vllm": {"host_speed": speed, "c=8": [run(1000)]}, "disaggregated": {"host_speed": speed, "c=8": [run(1500, failed=1)]}},
-        {"vllm": {"host_speed": speed, "c=8": [run(2000)]}, "disaggregated": {"host_speed": speed, "c=8": [run(1800)]}},
+        {
+            "vllm": {"host_speed": speed, "c=8": [run(4000, ttft_ms=5)]},
+            "disaggregated": {"host_speed": speed, "c=8": [run(3000, ttft_ms=10)]},
+        },
+        {
+            "vllm": {"host_speed": speed, "c=8": [run(1000, ttft_ms=20)]},
+            "disaggregated": {"host_speed": speed, "c=8": [run(1500, failed=1, ttft_ms=30)]},
+        },
+        {
+            "vllm": {"host_speed": speed, "c=8": [run(2000, ttft_ms=8)]},
+            "disaggregated": {"host_speed": speed, "c=8": [run(1800, ttft_ms=20)]},
+        },
     ]
     results = bench.merge_rounds(rounds, workloads)
     assert results["vllm"]["c=8"]["result"]["output_throughput"] == 2000
@@ -111,6 +120,10 @@ def test_rounds_merge_into_the_median_run_of_all_starts_with_ratios_round_by_rou
     table = bench.report(results, workloads)
     assert "1800.0 (0.90x)" in table  # the medians' ratio
     assert "  disaggregated  c=8     0.90x   (0.75x 1.50x 0.90x)" in table  # the median of the rounds' ratios
+    # TTFT too, paired within each round: the median runs' TTFTs (8 and 20 ms, from different rounds) would say 2.50x.
+    assert bench.paired_ratios(results, "disaggregated", "c=8", "paired_ttft") == [2.0, 1.5, 2.5]
+    assert "TTFT p50 ratios to vLLM's server round by round" in table
+    assert table.count("  disaggregated  c=8     2.00x   (2.00x 1.50x 2.50x)") == 1
 
 
 def test_the_mocks_router_added_ttft_is_the_median_over_rounds(bench):

@@ -911,6 +911,8 @@ def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_r
         metrics = app.service.metrics
         assert metrics.migrations.values == {(("cause", "drain"), ("engine", victim)): 1} and not metrics.errors.values
         assert victim not in app.service.pool.loads
+        # pd_pool_replicas follows the drain at once, before Serve's list of replicas drops it.
+        assert metrics.pool_replicas.values == {(("role", "decode"),): 1}
         assert app.engines[victim].runner.stats().inflight == 0
         # It stops once nothing is in flight and no call has come for a while: well before its
         # drain bound (10 s), which would end it with requests still held.

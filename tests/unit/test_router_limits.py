@@ -562,6 +562,24 @@ def test_paths_and_methods_no_route_serves_are_counted_like_other_refusals(tiny_
     run(body, tiny_tokenizer, recording_router_metrics())
 
 
+def test_over_serves_proxy_too_paths_and_methods_no_route_serves_are_counted(tiny_tokenizer):
+    """The Router deployment's own FastAPI app (router.http.port 0: Serve's proxy in front)."""
+    from serve_app.router.deployment import http_app
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        http_app.state.service = app.service
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=http_app), base_url="http://router") as proxy:
+                assert_openai_error(await proxy.get("/v1/completions"), 405)
+                assert_openai_error(await proxy.post("/v1/nothing-here", json={}), 404)
+        finally:
+            del http_app.state.service
+        requests = app.service.metrics.requests.values
+        assert requests[(("route", "other"), ("status", "405"))] == 1 and requests[(("route", "other"), ("status", "404"))] == 1
+
+    run(body, tiny_tokenizer, recording_router_metrics())
+
+
 def test_echo_is_refused_on_chat_as_on_completions(tiny_tokenizer):
     async def body(app: App, client: httpx.AsyncClient) -> None:
         with mock.patch.object(app.service, "_session", side_effect=AssertionError("an engine was asked")):
