@@ -57,7 +57,7 @@ test-fast: setup lint $(REFERENCE)
 	$(VENV)/bin/pytest -n $(FAST_WORKERS) --dist worksteal -m "not engine and not slow" --cov=serve_app/router --cov-report=term --cov-fail-under=90
 
 # The goodput benchmark (docs/performance.md): builds the medium model on first use and draws
-# docs/goodput.png; about 11 minutes on 2 cores. Not part of `make test`.
+# docs/goodput.png; about 18 minutes on 2 cores. Not part of `make test`.
 DOCS_INSTALLED := $(VENV)/.docs-installed
 $(DOCS_INSTALLED): pyproject.toml | $(INSTALLED)
 	$(PY) -m pip install --quiet -e '.[docs]'
