@@ -403,7 +403,7 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
         knees = {t: knee_rate(results[t]["rates"]) for t in targets}
         lines.append(
             f"Where attainment crosses {ATTAINMENT:.0%}, interpolated between the rates tried: "
-            + ", ".join(f"{t} {'' if exact else '>= '}{r:.1f}/s" for t, (r, exact) in knees.items())
+            + ", ".join(knee_text(t, r, exact, min(rates)) for t, (r, exact) in knees.items())
             + " ("
             + ", ".join(f"{t} {ratio(knees[t][0], knees['vllm'][0])}" for t in targets if t != "vllm")
             + " of vLLM's server; goal >= 1.30x)"
@@ -420,6 +420,12 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
     for t in targets:
         lines.append("  " + t + ": " + " / ".join(f"{h['wakeup_us']:.0f} µs, {h['loop_ms']:.0f} ms" for h in results[t]["host_speed"]))
     return "\n".join(lines)
+
+
+def knee_text(target: str, rate: float, exact: bool, lowest: float) -> str:
+    if not rate:
+        return f"{target} below {lowest:.1f}/s"
+    return f"{target} {'' if exact else '>= '}{rate:.1f}/s"
 
 
 def plot(results: dict[str, dict[str, Any]], rates: list[float], path: Path) -> None:

@@ -110,6 +110,8 @@ def test_the_knee_is_interpolated_between_the_rates_tried(goodput):
     assert goodput.knee_rate(per_rate) == (pytest.approx(8.4), True)  # 0.95 -> 0.45 over 4/s crosses 0.9 a tenth in
     assert goodput.knee_rate({4.0: {"attainment": 1.0}, 8.0: {"attainment": 0.9}}) == (8.0, False)  # at least the last rate
     assert goodput.knee_rate({4.0: {"attainment": 0.5}}) == (0.0, False)
+    assert goodput.knee_text("vllm", 0.0, False, 4.0) == "vllm below 4.0/s"
+    assert goodput.knee_text("vllm", 8.0, False, 4.0) == "vllm >= 8.0/s" and goodput.knee_text("vllm", 8.4, True, 4.0) == "vllm 8.4/s"
     # DistServe's summary is the highest rate that met, even past a rate that did not.
     assert goodput.knee_rate({4.0: {"attainment": 0.95}, 8.0: {"attainment": 0.5}, 12.0: {"attainment": 0.9}}) == (12.0, False)
 
