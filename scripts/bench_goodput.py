@@ -75,7 +75,7 @@ import yaml
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, parse_sets, set_arg, started, vllm_server_command  # noqa: E402
+from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, parse_sets, set_arg, sse_events, started, vllm_server_command  # noqa: E402
 
 from serve_app.runtime.ports import free_port  # noqa: E402
 
@@ -232,11 +232,7 @@ async def one_request(
             if response.status != 200:
                 outcome.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return outcome
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
+            async for event in sse_events(response):
                 if event.get("usage"):
                     outcome.tokens = int(event["usage"]["completion_tokens"])
                 for choice in event.get("choices") or []:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
-import json
 import random
 import re
 import statistics
@@ -104,11 +103,7 @@ async def send_all(port: int, model: str, prompt_len: int, count: int, gap_s: fl
         body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}
         sent_at, first, rid = time.time(), None, ""
         async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
+            async for event in bench_serving.sse_events(response):
                 rid = rid or event.get("id", "")
                 if first is None and any(c.get("text") for c in event.get("choices", [])):
                     first = time.time()

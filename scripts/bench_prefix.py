@@ -43,7 +43,7 @@ import yaml
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, pd_engines, started  # noqa: E402
+from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, pd_engines, sse_events, started  # noqa: E402
 
 from serve_app.runtime.ports import free_port  # noqa: E402
 
@@ -187,11 +187,7 @@ def multi_turn(port: int, quick: bool, seed: int = 0) -> dict[str, Any]:
             async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
                 if response.status != 200:
                     return turn
-                async for raw in response.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:") or line == b"data: [DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
+                async for chunk in sse_events(response):
                     ids = (chunk.get("choices") or [{}])[0].get("token_ids") or []
                     if ids and first is None:
                         first = time.perf_counter() - sent

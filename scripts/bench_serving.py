@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,6 +295,19 @@ def pd_engines(port: int, operator_token: str, timeout_s: float = 30) -> dict[st
 
 
 # ---------------------------------------------------------------------------- the client
+async def sse_events(response: Any) -> AsyncIterator[dict[str, Any]]:
+    """Each JSON event of an OpenAI streaming response (an aiohttp response): the one reader of
+    ``data:`` lines for every benchmark client here, so that they all skip the same things (other
+    lines, ``[DONE]``) and count a stream's events alike."""
+    async for raw in response.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload and payload != b"[DONE]":
+            yield json.loads(payload)
+
+
 def bench(port: int, workload: Workload, tokenizer: str, served_name: str) -> dict[str, Any]:
     from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser

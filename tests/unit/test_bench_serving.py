@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -141,3 +143,21 @@ def test_a_failed_start_reports_the_end_of_its_log(bench, tmp_path):
     with pytest.raises(RuntimeError, match="Address already in use"):
         with bench.started(cmd, {}, log, "http://127.0.0.1:9/health", bench.REPO_ROOT, timeout_s=30):
             pass
+
+
+def test_a_streams_events_are_its_json_data_lines_without_done_comments_or_blank_lines(bench):
+    async def lines():
+        for line in [
+            b": keep-alive\n",
+            b"data: {\"choices\": [{\"text\": \"a\"}]}\n",
+            b"\n",
+            b"data:{\"choices\": [{\"text\": \"b\"}]}\r\n",  # no space after the colon is valid SSE
+            b"event: ping\n",
+            b"data: [DONE]\n",
+        ]:
+            yield line
+
+    async def read():
+        return [event async for event in bench.sse_events(SimpleNamespace(content=lines()))]
+
+    assert asyncio.run(read()) == [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}]
