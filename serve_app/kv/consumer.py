@@ -7,9 +7,10 @@ queued; the worker writes them into the KV cache on its own thread between forwa
 start, ``on_step``, and at its end, ``results``), and only while their request still waits, so a
 late frame can never touch blocks the scheduler has handed to another request (vLLM keeps the
 blocks of a request that waits for KV, aborted or not, until the connector reports its receive
-over). A receiving thread that queues a transfer's done or failed frame, or fails transfers, rings
-the engine core's doorbell (``wakeup.py``), so an idle decode engine runs the step that settles
-the transfer at once instead of at its next poll.
+over). A receiving thread that queues a frame (a layer, done or failed frame) or fails transfers
+rings the engine core's doorbell (``wakeup.py``), so an idle decode engine runs the step that
+writes the layer or settles the transfer at once: layers are written while prefill computes the
+next ones, and the engine core does not poll its worker in between.
 
 Trust: a frame is only ever applied to the transfer it authenticates for. A frame with a wrong
 or missing secret is dropped and its connection closed without touching the transfer it names
@@ -529,9 +530,9 @@ class ConsumerWorker:
                 # Armed while its payload was being read: check it as an armed frame now.
                 self._accept_from(conn, state, frame.header, frame.payload_len)
                 self._take(state, frame)
-                if not isinstance(frame.header, LayerHeader):
-                    # Its transfer can be settled now: the engine core need not wait for its poll.
-                    self.doorbell.ring()
+                # A step has work now: a layer to write while prefill computes the next one, or a
+                # transfer to settle. The engine core need not wait for its poll.
+                self.doorbell.ring()
             elif tid in self._settled:
                 self._answer_late(conn, frame.header)
 

@@ -1,20 +1,29 @@
-"""Wakes a decode engine's core when a KV transfer settles, instead of at its next poll.
+"""Wakes a decode engine's core when a KV transfer moves on, instead of polling its worker.
 
 While every request a decode engine holds waits for its KV, vLLM's engine core runs steps without
 a forward, each asking the worker whether a transfer finished, and sleeps 1 ms after each (the
-``time.sleep`` in ``EngineCoreProc._process_engine_step``, vllm/v1/engine/core.py). Between a
-prompt's last KV frame and its first decode step that poll puts two sleeps: one before the step
-whose worker reports the transfer, and one after it, before the step that schedules the request.
-That is every lone request's hand-off, and under load the start of every batch whose requests
-all wait for their KV (docs/performance.md, "What made the difference").
+``time.sleep`` in ``EngineCoreProc._process_engine_step``, vllm/v1/engine/core.py). That poll
+costs twice. Between a prompt's last KV frame and its first decode step it puts two sleeps: one
+before the step whose worker reports the transfer, and one after it, before the step that
+schedules the request. And for the whole of a prompt's prefill, each step is a round trip to the
+worker, whose reader then spins for its next message: the decode engine's worker and core keep a
+core busy doing nothing, and on a small host the router, the replicas and Ray move onto the core
+the prefill forward runs on (docs/performance.md, "What made the difference").
 
 So the consumer's two processes get a doorbell: the engine core's scheduler side binds a UDP
 socket on the loopback (its port goes to the worker in each step's connector metadata), and the
-engine core's sleep after a forward-less step becomes a wait on that socket for at most the same
-time. The worker rings it when a transfer can be settled (its done or failed frame came, or its
-connection broke), and the scheduler side marks the doorbell when a step reported a finished
-receive, so the step that schedules the request follows at once. Anything else still waits out
-vLLM's interval, and a lost datagram costs at most one poll, never correctness.
+engine core's sleep after a forward-less step becomes a wait on that socket. The worker rings it
+when a transfer has something for a step to do: a layer frame to write, a done or failed frame,
+a connection that broke. The scheduler side marks the doorbell when a step reported a finished
+receive, so the step that schedules the request follows at once.
+
+How long the wait lasts depends on what the scheduler holds. When every request it holds waits
+for its KV (and none finished), only a ring or new input can give a step anything to do, so the
+wait goes on in slices of vLLM's interval until a ring, until the engine core's input queue has a
+message (a new request or an abort: admission is not slowed), or for at most ``KV_WAIT_MAX_S``,
+after which a step runs anyway (transfer deadlines, lost datagrams). In any other state, a
+request waiting for its grammar for example, the wait lasts vLLM's interval, as before. A lost
+datagram costs at most one bound, never correctness.
 
 Any local process can send a datagram to a loopback port, so a bare datagram must not count as a
 ring, or a flood of them would keep the engine core running forward-less steps instead of
@@ -25,8 +34,10 @@ token, and anything else is read and dropped while the wait goes on to the end o
 The wait is installed by replacing ``time`` in vLLM's engine-core module with a proxy whose
 ``sleep`` waits on the doorbell, only after checking the module's source: its one ``time.sleep``
 must be that poll (as in vLLM 0.32); where vLLM's module differs it is left alone
-and the engine polls as before. The connector installs it in the engine-core process of decode
-engines that use it (vLLM's CPU backend here).
+and the engine polls as before. The proxy finds the engine core and its scheduler once, as the
+caller of that sleep; where it cannot, or the scheduler's attributes it reads changed
+(``runtime/private_symbols.py``), every wait lasts vLLM's interval. The connector installs it in
+the engine-core process of decode engines that use it (vLLM's CPU backend here).
 """
 
 from __future__ import annotations
@@ -47,9 +58,23 @@ from serve_app.runtime.private_symbols import unchanged
 logger = logging.getLogger("pd_serve.kv")
 
 SYMBOLS = ("vllm.v1.engine.core.time", "vllm.v1.engine.core.EngineCoreProc._process_engine_step")
+# What the long wait reads of the engine core and its scheduler (runtime/private_symbols.py).
+LONG_WAIT_SYMBOLS = (
+    "vllm.v1.engine.core.EngineCoreProc.input_queue",
+    "vllm.v1.engine.core.EngineCoreProc.scheduler",
+    "vllm.v1.core.sched.scheduler.Scheduler.requests",
+    "vllm.v1.core.sched.scheduler.Scheduler.running",
+    "vllm.v1.core.sched.scheduler.Scheduler.has_finished_requests",
+    "vllm.v1.request.RequestStatus.WAITING_FOR_REMOTE_KVS",
+)
 
 LOOPBACK = "127.0.0.1"
 MAX_DATAGRAMS_PER_DRAIN = 1024  # a flood is read in bounded batches, between checks of the clock
+# The longest wait while every request waits for its KV: a step then checks transfer deadlines
+# (seconds) and sends what a ring did not announce (answers to late frames); short enough that a
+# lost ring is not felt, long enough that an idle wait costs a step every 50 ms, not every 1 ms.
+KV_WAIT_MAX_S = 0.05
+ENGINE_STEP = "_process_engine_step"  # the engine core's method whose sleep is the poll
 
 
 class Doorbell:
@@ -136,23 +161,61 @@ class DoorbellRinger:
 
 class _CoreTime:
     """What vLLM's engine-core module sees as ``time``: the real module, except that ``sleep``
-    waits on the doorbell."""
+    waits on the doorbell, for as long as the scheduler's state allows (module docstring)."""
 
-    def __init__(self, real: ModuleType, doorbell: Doorbell) -> None:
+    def __init__(self, real: ModuleType, doorbell: Doorbell, waiting_for_kv: Any = None) -> None:
         self._real = real
         self._doorbell = doorbell
+        # The scheduler status of a request whose KV is on its way; None: every wait is one interval.
+        self._waiting_for_kv = waiting_for_kv
+        self._core: Any = None  # the engine core, found at the first sleep
+        self._looked = False
         self.__wrapped__ = real  # what the manifest's check reads (serve_app/runtime/private_symbols.py)
 
     def sleep(self, seconds: float) -> None:
-        self._doorbell.wait(seconds)
+        core = self._engine_core() if self._waiting_for_kv is not None else None
+        if core is None or not waits_only_for_kv(core.scheduler, self._waiting_for_kv):
+            self._doorbell.wait(seconds)
+            return
+        deadline = self._real.monotonic() + KV_WAIT_MAX_S
+        slice_s = max(seconds, 0.0)
+        while core.input_queue.empty():
+            if self._doorbell.wait(slice_s) or self._real.monotonic() >= deadline:
+                return
+
+    def _engine_core(self) -> Any:
+        """The engine core whose step called this sleep (looked for once: one per process)."""
+        if not self._looked:
+            self._looked = True
+            here = inspect.currentframe()  # this method, called by sleep, called by the engine step
+            caller = here.f_back.f_back if here is not None and here.f_back is not None else None
+            core = caller.f_locals.get("self") if caller is not None and caller.f_code.co_name == ENGINE_STEP else None
+            del here, caller  # frames hold references: do not keep them
+            if core is not None and hasattr(core, "scheduler") and hasattr(core, "input_queue"):
+                self._core = core
+            else:
+                logger.warning("engine core: its poll is not called from %s; KV waits last one poll interval", ENGINE_STEP)
+        return self._core
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
 
-def install_core_wait(doorbell: Doorbell, module: ModuleType | None = None) -> bool:
+def waits_only_for_kv(scheduler: Any, waiting_for_kv: Any) -> bool:
+    """Whether nothing but a KV transfer (or new input) can give the scheduler's next step work:
+    it holds requests, all of them waiting for their KV, and no finished request to report."""
+    requests = scheduler.requests
+    if not requests or scheduler.running or scheduler.has_finished_requests():
+        return False
+    return all(request.status == waiting_for_kv for request in requests.values())
+
+
+def install_core_wait(doorbell: Doorbell, module: ModuleType | None = None, waiting_for_kv: Any = None) -> bool:
     """Route the engine core's forward-less-step sleep to ``doorbell``; False (and nothing
-    changed) where vLLM's engine-core module is not the one this was written against."""
+    changed) where vLLM's engine-core module is not the one this was written against.
+
+    ``waiting_for_kv`` is the request status of a request whose KV is on its way (vLLM's own,
+    by default); without it every wait lasts one poll interval."""
     real_vllm = module is None
     if module is None:
         try:
@@ -168,9 +231,21 @@ def install_core_wait(doorbell: Doorbell, module: ModuleType | None = None) -> b
     if current is not time or not sleeps_only_after_forwardless_steps(module):
         logger.warning("vLLM's engine core does not poll where pd-serve expects: KV transfers are polled as before")
         return False
-    module.time = _CoreTime(time, doorbell)  # type: ignore[attr-defined]
+    if real_vllm and waiting_for_kv is None:
+        waiting_for_kv = _vllms_waiting_for_kv()
+    module.time = _CoreTime(time, doorbell, waiting_for_kv)  # type: ignore[attr-defined]
     logger.info("engine core: waits for KV transfers on doorbell 127.0.0.1:%d instead of polling", doorbell.port)
     return True
+
+
+def _vllms_waiting_for_kv() -> Any:
+    """vLLM's status of a request waiting for remote KV, or None (and one warning) where what
+    the long wait reads of vLLM changed."""
+    if not unchanged(LONG_WAIT_SYMBOLS, logger, "the long KV wait (the engine core's KV waits last one poll interval)"):
+        return None
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 def sleeps_only_after_forwardless_steps(module: ModuleType) -> bool:

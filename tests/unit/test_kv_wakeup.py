@@ -202,13 +202,20 @@ def arm_with_doorbell(worker: ConsumerWorker, bell: Doorbell, req_id: str, tid: 
     return secret
 
 
-def test_the_worker_rings_when_the_last_frame_of_a_transfer_comes(consumer_and_bell):
+def test_the_worker_rings_for_each_layer_and_for_the_last_frame_of_a_transfer(consumer_and_bell):
+    """A layer frame rings too: the step it wakes writes the layer while prefill computes the
+    next, instead of every layer waiting for the done frame (or for a poll)."""
     worker, bell = consumer_and_bell
     secret = arm_with_doorbell(worker, bell, "req-1", "t-1", [2, 3])
     peer = Peer(port_of(worker))
-    peer.layers("t-1", secret, [2, 3], layer_data(2, seed=4))
-    time.sleep(0.1)
-    assert bell.wait(0.01) is False  # layer frames alone settle nothing
+    data = layer_data(2, seed=4)
+    peer.layer("t-1", secret, [2, 3], data["l0"])
+    assert bell.wait(LONG_S) is True
+    assert worker.results() == (set(), set())  # the step it wakes writes the layer, settles nothing
+    assert worker._waiting["t-1"].layers == {"l0"}  # written at once, not when the done frame comes
+    peer.layer("t-1", secret, [2, 3], data["l1"], layer="l1")
+    assert bell.wait(LONG_S) is True
+    assert worker.results() == (set(), set())
     peer.done("t-1", secret, frames=2)
     assert bell.wait(LONG_S) is True
     assert worker.results() == ({"req-1"}, set())  # and the step it wakes reports the transfer
@@ -231,3 +238,130 @@ def test_the_worker_rings_when_a_transfer_fails(consumer_and_bell):
     peer.close()
     assert bell.wait(LONG_S) is True
     assert worker.results() == ({"req-2"}, {"req-2"})
+
+
+# ------------------------------------------------------------------ how long the engine core waits
+KV_WAITING = "waiting for remote KV"  # stands for vLLM's RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+class FakeScheduler:
+    def __init__(self, *statuses: str, running: int = 0, finished: bool = False) -> None:
+        self.requests = {f"req-{i}": types.SimpleNamespace(status=status) for i, status in enumerate(statuses)}
+        self.running = [object()] * running
+        self.finished = finished
+
+    def has_finished_requests(self) -> bool:
+        return self.finished
+
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+
+def forwardless_core(bell: Doorbell, scheduler: FakeScheduler, waiting_for_kv: str | None = KV_WAITING):
+    """vLLM's engine core as CORE_LIKE shapes it, its step running no forward, with the doorbell's
+    wait installed."""
+    import queue
+
+    module = fake_core_module(CORE_LIKE)
+    assert install_core_wait(bell, module, waiting_for_kv=waiting_for_kv)
+    core = module.EngineCoreProc()
+    core.scheduler = scheduler
+    core.input_queue = queue.Queue()
+    core.step_fn = lambda: (None, False)
+    return core
+
+
+def step_in_thread(core) -> tuple[threading.Thread, list[float]]:
+    took: list[float] = []
+
+    def step() -> None:
+        started = time.monotonic()
+        core._process_engine_step()
+        took.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    return thread, took
+
+
+def test_while_every_request_waits_for_its_kv_the_core_waits_until_a_ring(doorbell, monkeypatch):
+    """No step can do anything until a frame comes, so the engine core does not poll its worker
+    every millisecond: it waits for the worker's ring."""
+    monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", LONG_S)
+    core = forwardless_core(doorbell, FakeScheduler(KV_WAITING, KV_WAITING))
+    thread, took = step_in_thread(core)
+    time.sleep(0.1)  # a hundred of vLLM's poll intervals
+    assert thread.is_alive()
+    ringer = DoorbellRinger()
+    ringer.aim(doorbell.port, doorbell.token)
+    ringer.ring()
+    thread.join(timeout=LONG_S / 3)
+    assert not thread.is_alive() and 0.1 <= took[0] < LONG_S / 3
+    ringer.close()
+
+
+def test_new_input_ends_the_long_wait(doorbell, monkeypatch):
+    """A new request or an abort is handled at once, not after the KV wait."""
+    monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", LONG_S)
+    core = forwardless_core(doorbell, FakeScheduler(KV_WAITING))
+    thread, took = step_in_thread(core)
+    time.sleep(0.1)
+    assert thread.is_alive()
+    core.input_queue.put(("ADD", "req-new"))
+    thread.join(timeout=LONG_S / 3)
+    assert not thread.is_alive() and took[0] < LONG_S / 3
+    # Input that is already there: no wait at all beyond the check.
+    thread, took = step_in_thread(core)
+    thread.join(timeout=LONG_S / 3)
+    assert not thread.is_alive() and took[0] < LONG_S / 3
+
+
+def test_the_long_wait_is_bounded(doorbell, monkeypatch):
+    """A lost ring or a transfer's deadline is noticed by a step after at most KV_WAIT_MAX_S."""
+    monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", 0.2)
+    core = forwardless_core(doorbell, FakeScheduler(KV_WAITING))
+    thread, took = step_in_thread(core)
+    thread.join(timeout=LONG_S)
+    assert not thread.is_alive() and 0.19 <= took[0] < LONG_S / 3
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        FakeScheduler(KV_WAITING, running=1),  # a running request: the next step may run a forward
+        FakeScheduler(KV_WAITING, "waiting for its grammar"),  # another wait that no ring ends
+        FakeScheduler(KV_WAITING, finished=True),  # a finished request the next step reports
+        FakeScheduler(),  # nothing held (a connector's pending work keeps the engine stepping)
+    ],
+    ids=["running", "other-status", "finished", "empty"],
+)
+def test_in_any_other_state_the_wait_is_vllms_poll_interval(doorbell, monkeypatch, scheduler):
+    monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", LONG_S)
+    core = forwardless_core(doorbell, scheduler)
+    thread, took = step_in_thread(core)
+    thread.join(timeout=LONG_S / 3)
+    assert not thread.is_alive() and took[0] < LONG_S / 3
+
+
+def test_without_vllms_status_or_an_engine_core_caller_the_wait_is_the_poll_interval(doorbell, monkeypatch):
+    """Where what the long wait reads changed (no status), or the sleep is not the engine step's,
+    the wait lasts vLLM's interval."""
+    monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", LONG_S)
+    core = forwardless_core(doorbell, FakeScheduler(KV_WAITING), waiting_for_kv=None)
+    thread, took = step_in_thread(core)
+    thread.join(timeout=LONG_S / 3)
+    assert not thread.is_alive() and took[0] < LONG_S / 3
+    # Called from elsewhere: the proxy cannot find an engine core, so it stands aside for good.
+    other = fake_core_module(CORE_LIKE)
+    assert install_core_wait(doorbell, other, waiting_for_kv=KV_WAITING)
+    started = time.monotonic()
+    other.time.sleep(0.001)
+    assert time.monotonic() - started < LONG_S / 3 and other.time._core is None and other.time._looked
+
+
+def test_vllms_status_for_a_request_waiting_for_kv_is_found():
+    from vllm.v1.request import RequestStatus
+
+    from serve_app.kv.wakeup import _vllms_waiting_for_kv
+
+    assert _vllms_waiting_for_kv() is RequestStatus.WAITING_FOR_REMOTE_KVS
