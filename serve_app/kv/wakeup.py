@@ -35,7 +35,8 @@ The wait is installed by replacing ``time`` in vLLM's engine-core module with a 
 ``sleep`` waits on the doorbell, only after checking the module's source: its one ``time.sleep``
 must be that poll (as in vLLM 0.32); where vLLM's module differs it is left alone
 and the engine polls as before. The proxy finds the engine core and its scheduler once, as the
-caller of that sleep; where it cannot, or the scheduler's attributes it reads changed
+caller of that sleep; where it cannot, where the engine core is a data-parallel rank (which
+steps in lock-step with the others), or where the scheduler's attributes it reads changed
 (``runtime/private_symbols.py``), every wait lasts vLLM's interval. The connector installs it in
 the engine-core process of decode engines that use it (vLLM's CPU backend here).
 """
@@ -66,6 +67,7 @@ LONG_WAIT_SYMBOLS = (
     "vllm.v1.core.sched.scheduler.Scheduler.running",
     "vllm.v1.core.sched.scheduler.Scheduler.has_finished_requests",
     "vllm.v1.request.RequestStatus.WAITING_FOR_REMOTE_KVS",
+    "vllm.v1.engine.core.DPEngineCoreProc",
 )
 
 LOOPBACK = "127.0.0.1"
@@ -75,6 +77,7 @@ MAX_DATAGRAMS_PER_DRAIN = 1024  # a flood is read in bounded batches, between ch
 # lost ring is not felt, long enough that an idle wait costs a step every 50 ms, not every 1 ms.
 KV_WAIT_MAX_S = 0.05
 ENGINE_STEP = "_process_engine_step"  # the engine core's method whose sleep is the poll
+MIN_SLICE_S = 0.001  # vLLM's interval: the slice of a long wait, should a caller ask for none
 
 
 class Doorbell:
@@ -163,11 +166,14 @@ class _CoreTime:
     """What vLLM's engine-core module sees as ``time``: the real module, except that ``sleep``
     waits on the doorbell, for as long as the scheduler's state allows (module docstring)."""
 
-    def __init__(self, real: ModuleType, doorbell: Doorbell, waiting_for_kv: Any = None) -> None:
+    def __init__(self, real: ModuleType, doorbell: Doorbell, waiting_for_kv: Any = None, lockstep: tuple[type, ...] = ()) -> None:
         self._real = real
         self._doorbell = doorbell
         # The scheduler status of a request whose KV is on its way; None: every wait is one interval.
         self._waiting_for_kv = waiting_for_kv
+        # Engine cores that step in lock-step with others (vLLM's data parallel ranks): a long wait
+        # in one would hold the others back, so theirs last one interval.
+        self._lockstep = lockstep
         self._core: Any = None  # the engine core, found at the first sleep
         self._looked = False
         self.__wrapped__ = real  # what the manifest's check reads (serve_app/runtime/private_symbols.py)
@@ -178,7 +184,7 @@ class _CoreTime:
             self._doorbell.wait(seconds)
             return
         deadline = self._real.monotonic() + KV_WAIT_MAX_S
-        slice_s = max(seconds, 0.0)
+        slice_s = seconds if seconds > 0 else MIN_SLICE_S
         while core.input_queue.empty():
             if self._doorbell.wait(slice_s) or self._real.monotonic() >= deadline:
                 return
@@ -191,7 +197,9 @@ class _CoreTime:
             caller = here.f_back.f_back if here is not None and here.f_back is not None else None
             core = caller.f_locals.get("self") if caller is not None and caller.f_code.co_name == ENGINE_STEP else None
             del here, caller  # frames hold references: do not keep them
-            if core is not None and hasattr(core, "scheduler") and hasattr(core, "input_queue"):
+            if core is not None and isinstance(core, self._lockstep):
+                logger.info("engine core: a data-parallel rank; KV waits last one poll interval")
+            elif core is not None and hasattr(core, "scheduler") and hasattr(core, "input_queue"):
                 self._core = core
             else:
                 logger.warning("engine core: its poll is not called from %s; KV waits last one poll interval", ENGINE_STEP)
@@ -233,7 +241,8 @@ def install_core_wait(doorbell: Doorbell, module: ModuleType | None = None, wait
         return False
     if real_vllm and waiting_for_kv is None:
         waiting_for_kv = _vllms_waiting_for_kv()
-    module.time = _CoreTime(time, doorbell, waiting_for_kv)  # type: ignore[attr-defined]
+    lockstep = getattr(module, "DPEngineCoreProc", None)
+    module.time = _CoreTime(time, doorbell, waiting_for_kv, (lockstep,) if isinstance(lockstep, type) else ())  # type: ignore[attr-defined]
     logger.info("engine core: waits for KV transfers on doorbell 127.0.0.1:%d instead of polling", doorbell.port)
     return True
 

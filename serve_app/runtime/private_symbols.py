@@ -234,6 +234,7 @@ _ENTRIES: tuple[Symbol, ...] = (
     ),
     Symbol(_SCHED, "Scheduler.has_finished_requests", "vllm", READ, "serve_app/kv/wakeup.py", CPU, params=("(self)",)),
     Symbol("vllm.v1.request", "RequestStatus.WAITING_FOR_REMOTE_KVS", "vllm", READ, "serve_app/kv/wakeup.py", CPU, kind=ATTRIBUTE),
+    Symbol(_CORE, "DPEngineCoreProc", "vllm", READ, "serve_app/kv/wakeup.py", CPU, kind=CLASS),
     # vllm_plugins/stat_logger.py (engines/vllm_runner.py loads it on both paths)
     Symbol(
         _RAY_METRICS,

@@ -257,14 +257,21 @@ class FakeScheduler:
         return bool(self.requests)
 
 
-def forwardless_core(bell: Doorbell, scheduler: FakeScheduler, waiting_for_kv: str | None = KV_WAITING):
+DP_CORE_LIKE = CORE_LIKE + """
+
+class DPEngineCoreProc(EngineCoreProc):
+    pass
+"""
+
+
+def forwardless_core(bell: Doorbell, scheduler: FakeScheduler, waiting_for_kv: str | None = KV_WAITING, data_parallel: bool = False):
     """vLLM's engine core as CORE_LIKE shapes it, its step running no forward, with the doorbell's
     wait installed."""
     import queue
 
-    module = fake_core_module(CORE_LIKE)
+    module = fake_core_module(DP_CORE_LIKE)
     assert install_core_wait(bell, module, waiting_for_kv=waiting_for_kv)
-    core = module.EngineCoreProc()
+    core = module.DPEngineCoreProc() if data_parallel else module.EngineCoreProc()
     core.scheduler = scheduler
     core.input_queue = queue.Queue()
     core.step_fn = lambda: (None, False)
@@ -338,6 +345,15 @@ def test_the_long_wait_is_bounded(doorbell, monkeypatch):
 def test_in_any_other_state_the_wait_is_vllms_poll_interval(doorbell, monkeypatch, scheduler):
     monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", LONG_S)
     core = forwardless_core(doorbell, scheduler)
+    thread, took = step_in_thread(core)
+    thread.join(timeout=LONG_S / 3)
+    assert not thread.is_alive() and took[0] < LONG_S / 3
+
+
+def test_a_data_parallel_rank_waits_the_poll_interval(doorbell, monkeypatch):
+    """Data-parallel ranks step in lock-step: a long wait in one would hold the others back."""
+    monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", LONG_S)
+    core = forwardless_core(doorbell, FakeScheduler(KV_WAITING), data_parallel=True)
     thread, took = step_in_thread(core)
     thread.join(timeout=LONG_S / 3)
     assert not thread.is_alive() and took[0] < LONG_S / 3
