@@ -199,7 +199,7 @@ class _CoreTime:
             del here, caller  # frames hold references: do not keep them
             if core is not None and isinstance(core, self._lockstep):
                 logger.info("engine core: a data-parallel rank; KV waits last one poll interval")
-            elif core is not None and hasattr(core, "scheduler") and hasattr(core, "input_queue"):
+            elif core is not None and hasattr(core, "input_queue") and reads_like_vllms(getattr(core, "scheduler", None)):
                 self._core = core
             else:
                 logger.warning("engine core: its poll is not called from %s; KV waits last one poll interval", ENGINE_STEP)
@@ -207,6 +207,12 @@ class _CoreTime:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+
+def reads_like_vllms(scheduler: Any) -> bool:
+    """Whether the engine's scheduler has what ``waits_only_for_kv`` reads: a scheduler class of
+    the user's own (vLLM's ``scheduler_cls``) may not, and reading it must not stop the engine."""
+    return all(hasattr(scheduler, name) for name in ("requests", "running", "has_finished_requests"))
 
 
 def waits_only_for_kv(scheduler: Any, waiting_for_kv: Any) -> bool:

@@ -350,6 +350,17 @@ def test_in_any_other_state_the_wait_is_vllms_poll_interval(doorbell, monkeypatc
     assert not thread.is_alive() and took[0] < LONG_S / 3
 
 
+def test_a_scheduler_without_what_the_long_wait_reads_keeps_the_poll_interval(doorbell, monkeypatch):
+    """A scheduler class of the user's own that lacks vLLM's attributes: the engine keeps
+    running with vLLM's poll instead of failing on the first forward-less step."""
+    monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", LONG_S)
+    core = forwardless_core(doorbell, FakeScheduler(KV_WAITING))
+    core.scheduler = types.SimpleNamespace(has_requests=lambda: True)
+    thread, took = step_in_thread(core)
+    thread.join(timeout=LONG_S / 3)
+    assert not thread.is_alive() and took and took[0] < LONG_S / 3
+
+
 def test_a_data_parallel_rank_waits_the_poll_interval(doorbell, monkeypatch):
     """Data-parallel ranks step in lock-step: a long wait in one would hold the others back."""
     monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", LONG_S)
