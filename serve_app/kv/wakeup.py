@@ -199,10 +199,16 @@ class _CoreTime:
             del here, caller  # frames hold references: do not keep them
             if core is not None and isinstance(core, self._lockstep):
                 logger.info("engine core: a data-parallel rank; KV waits last one poll interval")
-            elif core is not None and hasattr(core, "input_queue") and reads_like_vllms(getattr(core, "scheduler", None)):
-                self._core = core
-            else:
+            elif core is None or not hasattr(core, "input_queue"):
                 logger.warning("engine core: its poll is not called from %s; KV waits last one poll interval", ENGINE_STEP)
+            elif not reads_like_vllms(getattr(core, "scheduler", None)):
+                logger.warning(
+                    "engine core: its scheduler (%s) lacks vLLM's requests, running or has_finished_requests; "
+                    "KV waits last one poll interval",
+                    type(getattr(core, "scheduler", None)).__name__,
+                )
+            else:
+                self._core = core
         return self._core
 
     def __getattr__(self, name: str) -> Any:

@@ -4,6 +4,7 @@ vLLM's engine core still sleeps where this was written to wait."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import types
@@ -350,15 +351,23 @@ def test_in_any_other_state_the_wait_is_vllms_poll_interval(doorbell, monkeypatc
     assert not thread.is_alive() and took[0] < LONG_S / 3
 
 
-def test_a_scheduler_without_what_the_long_wait_reads_keeps_the_poll_interval(doorbell, monkeypatch):
+def test_a_scheduler_without_what_the_long_wait_reads_keeps_the_poll_interval(doorbell, monkeypatch, caplog):
     """A scheduler class of the user's own that lacks vLLM's attributes: the engine keeps
-    running with vLLM's poll instead of failing on the first forward-less step."""
+    running with vLLM's poll instead of failing on the first forward-less step, and the log says
+    it is the scheduler (not where the poll is called from)."""
     monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", LONG_S)
     core = forwardless_core(doorbell, FakeScheduler(KV_WAITING))
     core.scheduler = types.SimpleNamespace(has_requests=lambda: True)
-    thread, took = step_in_thread(core)
-    thread.join(timeout=LONG_S / 3)
+    with caplog.at_level(logging.WARNING, logger="pd_serve"):
+        thread, took = step_in_thread(core)
+        thread.join(timeout=LONG_S / 3)
     assert not thread.is_alive() and took and took[0] < LONG_S / 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert (
+        "engine core: its scheduler (SimpleNamespace) lacks vLLM's requests, running or has_finished_requests; "
+        "KV waits last one poll interval"
+    ) in messages
+    assert not any("its poll is not called from" in m for m in messages), messages
 
 
 def test_a_data_parallel_rank_waits_the_poll_interval(doorbell, monkeypatch):
@@ -370,7 +379,7 @@ def test_a_data_parallel_rank_waits_the_poll_interval(doorbell, monkeypatch):
     assert not thread.is_alive() and took[0] < LONG_S / 3
 
 
-def test_without_vllms_status_or_an_engine_core_caller_the_wait_is_the_poll_interval(doorbell, monkeypatch):
+def test_without_vllms_status_or_an_engine_core_caller_the_wait_is_the_poll_interval(doorbell, monkeypatch, caplog):
     """Where what the long wait reads changed (no status), or the sleep is not the engine step's,
     the wait lasts vLLM's interval."""
     monkeypatch.setattr("serve_app.kv.wakeup.KV_WAIT_MAX_S", LONG_S)
@@ -382,8 +391,10 @@ def test_without_vllms_status_or_an_engine_core_caller_the_wait_is_the_poll_inte
     other = fake_core_module(CORE_LIKE)
     assert install_core_wait(doorbell, other, waiting_for_kv=KV_WAITING)
     started = time.monotonic()
-    other.time.sleep(0.001)
+    with caplog.at_level(logging.WARNING, logger="pd_serve"):
+        other.time.sleep(0.001)
     assert time.monotonic() - started < LONG_S / 3 and other.time._core is None and other.time._looked
+    assert any("its poll is not called from" in r.getMessage() for r in caplog.records)
 
 
 def test_vllms_status_for_a_request_waiting_for_kv_is_found():
