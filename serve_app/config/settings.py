@@ -268,6 +268,16 @@ class RouterConfig(ScalingConfig):
             "prefill engine costs the request); 0: every prompt goes to a prefill engine"
         ),
     )
+    local_prefill_queue_tokens: int = Field(
+        0,
+        ge=0,
+        description=(
+            "disaggregated mode: when every prefill engine has at least this many prompt tokens of this router "
+            "queued (being computed or waiting), an attempt is prefilled by its decode engine, whatever its "
+            "length, instead of waiting in line (conditional disaggregation by prefill queue, as NVIDIA Dynamo's "
+            "max_prefill_queue_size; give decode chunked prefill so its running requests keep their pace); 0: off"
+        ),
+    )
     num_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(None, description="router replicas (default 1), or 'auto'")
     num_cpus: float = Field(0.1, ge=0)
     max_attempts: int = Field(4, ge=1, le=64, description="attempts per client request (recompute + faults)")

@@ -44,6 +44,14 @@ def prefill_score(load: EngineLoad) -> int:
     return load.reserved_tokens + load.num_waiting
 
 
+def least_queued_prompt_tokens(loads: Iterable[EngineLoad]) -> int | None:
+    """The prompt tokens this router has queued on the healthy prefill engine with the fewest
+    (being computed or waiting): how far back in line a prompt sent now would start at best.
+    None when no engine is healthy."""
+    queued = [load.reserved_tokens for load in loads if load.healthy]
+    return min(queued) if queued else None
+
+
 def candidates(loads: Iterable[EngineLoad], avoid: Iterable[str] = ()) -> list[EngineLoad]:
     """The healthy engines, those not in ``avoid`` if any: ``avoid`` is a preference, not a ban
     (when every healthy engine is avoided, one decode engine say, they are all still candidates).

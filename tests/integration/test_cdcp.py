@@ -34,6 +34,9 @@ BLOCK = 128
 
 # Prompts up to this long are prefilled by their decode engine (router.local_prefill_max_tokens).
 LOCAL_PREFILL = 8
+# While every prefill engine holds this many of the router's prompt tokens, any prompt is
+# (router.local_prefill_queue_tokens): more than the other tests ever queue on both engines.
+QUEUE_BOUND = 3000
 ARGS = {
     "served_model_name": "tiny-llama",
     "max_model_len": 2048,
@@ -44,6 +47,7 @@ ARGS = {
     "router": {
         "mode": "disaggregated",
         "local_prefill_max_tokens": LOCAL_PREFILL,
+        "local_prefill_queue_tokens": QUEUE_BOUND,
         "num_cpus": 0.1,
         "max_attempts": 3,
         "timeouts": {"kv_ready_s": 5, "prefill_s": 20, "first_token_s": 30, "request_s": 120},
@@ -169,6 +173,66 @@ def test_concurrent_requests_use_every_engine_and_release_everything(app, baseli
         assert results[i][1] == completion_ids(baseline_app, prompt, max_tokens=24)[1]
     snap = wait_idle(app)
     assert all(e["kv_usage"] == 0.0 and e["engine_inflight"] == 0 for e in snap["engines"].values())
+
+
+def test_while_every_prefill_line_is_long_a_prompt_is_prefilled_by_its_decode_engine(app, baseline_app, cluster):
+    """router.local_prefill_queue_tokens: with both prefill engines' vLLM processes stopped
+    (SIGSTOP: their replicas still answer, so the router sees them healthy), prompts pile up in
+    their lines until both are at the bound; a prompt sent then is prefilled by its decode engine
+    instead of waiting (token-exact, nothing pushed, counted as
+    pd_fallback_total{reason="prefill_queue"}); once the engines go on, the prompts in line end
+    token-exact, and with the lines short prompts go to a prefill engine again."""
+    import psutil
+
+    wait_healthy(app)
+    replicas = {name: psutil.Process(info["pid"]) for name, info in inspect(app, "prefill", []).items()}
+    engines = [child for replica in replicas.values() for child in replica.children(recursive=True)]
+    assert len(engines) >= 2 * len(replicas), engines  # each: vLLM's engine core and its worker
+    held: list[list[int]] = []
+    results: dict[int, list[int]] = {}
+
+    def queued() -> dict[str, int]:
+        return {n: e["router_reserved_tokens"] for n, e in app.snapshot()["engines"].items() if e["role"] == "prefill"}
+
+    def send(i: int) -> None:
+        results[i] = completion_ids(app, held[i], max_tokens=4)[1]
+
+    threads: list[threading.Thread] = []
+    for process in engines:
+        process.suspend()
+    try:
+        # One at a time, so that each is in a line before the next is sent: while either line is
+        # below the bound a prompt joins one (the balancer's choice), so they fill up.
+        while min(queued().values()) < QUEUE_BOUND:
+            assert len(held) < 12, f"the lines never reached the bound: {queued()}"
+            held.append(token_pattern(1000, seed=600 + len(held)))
+            threads.append(threading.Thread(target=send, args=(len(held) - 1,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 30
+            while sum(queued().values()) < 1000 * len(held):
+                assert time.monotonic() < deadline, f"prompt {len(held)} never reached a prefill engine's line: {queued()}"
+                time.sleep(0.05)
+        prompt = token_pattern(700, seed=650)
+        response_id, got = completion_ids(app, prompt)
+        assert min(queued().values()) >= QUEUE_BOUND  # nothing left the lines meanwhile
+    finally:
+        for process in engines:
+            process.resume()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert got == completion_ids(baseline_app, prompt)[1]
+    attempt_id = response_id + "-1"
+    assert all(d["transfers"][attempt_id] is None for d in inspect(app, "decode", [attempt_id]).values())
+    assert not any(p["transfers"][attempt_id] for p in inspect(app, "prefill", [attempt_id]).values())
+    assert [results.get(i) for i in range(len(held))] == [completion_ids(baseline_app, p, max_tokens=4)[1] for p in held]
+    wait_idle(app)
+    prompt = token_pattern(700, seed=651)  # not in any cache
+    response_id, got = completion_ids(app, prompt)
+    assert got == completion_ids(baseline_app, prompt)[1]
+    attempt_id = response_id + "-1"
+    assert any(p["transfers"][attempt_id] for p in inspect(app, "prefill", [attempt_id]).values())
+    wait_for_metrics(cluster.metrics_port, [("ray_pd_fallback_total{", 'reason="prefill_queue"')])
+    wait_idle(app)
 
 
 def test_hostile_peers_on_the_kv_port_change_nothing(app, baseline_app):

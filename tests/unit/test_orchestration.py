@@ -84,6 +84,39 @@ def test_a_short_prompt_is_prefilled_by_its_decode_engine(tiny_tokenizer):
     run(body, args(router={"local_prefill_max_tokens": len(PROMPT)}), tiny_tokenizer, metrics)
 
 
+def test_while_the_prefill_queue_is_full_a_prompt_is_prefilled_by_its_decode_engine(tiny_tokenizer):
+    """router.local_prefill_queue_tokens: while the prefill engine holds that many of this
+    router's prompt tokens, a prompt of any length is prefilled by its decode engine instead of
+    waiting in line (pd_fallback_total{reason=prefill_queue}); once the queue is below the bound
+    again prompts go to the prefill engine; every output is the same either way."""
+    metrics = recording_router_metrics()
+
+    async def body(app: App) -> None:
+        runner = app.engines["prefill-0"].runner
+        real, gate = runner.generate, asyncio.Event()
+
+        async def held(request):
+            await gate.wait()  # the first prompt stays in the prefill engine's line
+            async for event in real(request):
+                yield event
+
+        runner.generate = held
+        first = asyncio.ensure_future(completion(app, PROMPT, max_tokens=6))
+        await wait_until(lambda: leased(app, "prefill"))
+        other = PROMPT[::-1]
+        status, data = await completion(app, other, max_tokens=6)  # the queue is full: decode prefills it
+        assert status == 200 and data["choices"][0]["token_ids"] == expected(other, 6)
+        assert not first.done() and metrics.fallback.values == {(("reason", "prefill_queue"),): 1.0}
+        gate.set()
+        status, data = await first
+        assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 6)
+        status, data = await completion(app, other, max_tokens=6)  # the queue is empty again
+        assert status == 200 and data["choices"][0]["token_ids"] == expected(other, 6)
+        assert len(real.__self__.requests) == 2 and metrics.fallback.values == {(("reason", "prefill_queue"),): 1.0}
+
+    run(body, args(router={"local_prefill_queue_tokens": len(PROMPT)}), tiny_tokenizer, metrics)
+
+
 def test_a_stream_writes_what_is_ready_together_in_one_message(tiny_tokenizer):
     """Each body message the router sends is a group of events ready together: the chat role
     delta with the first text, and the last text with the usage chunk and [DONE], which also
