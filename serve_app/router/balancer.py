@@ -44,12 +44,11 @@ def prefill_score(load: EngineLoad) -> int:
     return load.reserved_tokens + load.num_waiting
 
 
-def least_queued_prompt_tokens(loads: Iterable[EngineLoad]) -> int | None:
-    """The prompt tokens this router has queued on the healthy prefill engine with the fewest
-    (being computed or waiting): how far back in line a prompt sent now would start at best.
-    None when no engine is healthy."""
-    queued = [load.reserved_tokens for load in loads if load.healthy]
-    return min(queued) if queued else None
+def every_line_at_least(loads: Iterable[EngineLoad], tokens: int) -> bool:
+    """Whether every healthy engine has at least ``tokens`` of this router's prompt tokens queued
+    (being computed or waiting): a prompt sent now would start behind that many at best. An
+    unhealthy or leaving engine's line does not count (true when none is healthy)."""
+    return all(load.reserved_tokens >= tokens for load in loads if load.healthy)
 
 
 def candidates(loads: Iterable[EngineLoad], avoid: Iterable[str] = ()) -> list[EngineLoad]:

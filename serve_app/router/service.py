@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serve_app.config.backends import BACKENDS
 from serve_app.config.settings import AppConfig
-from serve_app.router.balancer import least_queued_prompt_tokens
+from serve_app.router.balancer import every_line_at_least
 from serve_app.router.cdcp import AttemptExecutor
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
@@ -404,12 +404,11 @@ class RouterService:
         if prompt_tokens <= self.config.router.local_prefill_max_tokens:
             self.metrics.fallback.inc(tags={"reason": "local_prefill"})
             return False
-        queued = least_queued_prompt_tokens(self.pool.of_role("prefill"))
-        if queued is None:
+        if not self.pool.has_healthy("prefill"):
             self.metrics.fallback.inc(tags={"reason": "no_healthy_prefill"})
             return False
         bound = self.config.router.local_prefill_queue_tokens
-        if bound and queued >= bound:
+        if bound and every_line_at_least(self.pool.of_role("prefill"), bound):
             self.metrics.fallback.inc(tags={"reason": "prefill_queue"})
             return False
         return True

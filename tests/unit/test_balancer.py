@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from serve_app.router.balancer import EngineLoad, decode_score, least_queued_prompt_tokens, prefill_score, select
+from serve_app.router.balancer import EngineLoad, decode_score, every_line_at_least, prefill_score, select
 
 
 def loads(*specs):
@@ -43,12 +43,11 @@ def test_scores_are_integers():
 
 def test_the_prefill_queue_is_the_shortest_line_of_a_healthy_engine():
     """What router.local_prefill_queue_tokens compares: an unhealthy or leaving engine's line
-    does not count, and with no healthy engine there is no line at all."""
+    does not count."""
     loads = [
         EngineLoad("prefill-0", "prefill", reserved_tokens=4096, healthy=True),
         EngineLoad("prefill-1", "prefill", reserved_tokens=2048, healthy=True),
         EngineLoad("prefill-2", "prefill", reserved_tokens=0, healthy=False, draining=True),
     ]
-    assert least_queued_prompt_tokens(loads) == 2048
-    assert least_queued_prompt_tokens(loads[:1]) == 4096
-    assert least_queued_prompt_tokens(loads[2:]) is None
+    assert every_line_at_least(loads, 2048) and not every_line_at_least(loads, 2049)
+    assert every_line_at_least(loads[:1], 4096) and not every_line_at_least(loads[:1], 4097)
