@@ -82,6 +82,10 @@ class Backend:
     # The Ray resource an engine replica asks for per tensor-parallel rank (Ascend: "NPU", the
     # resource Ray detects on Ascend nodes); None: CPUs only.
     accelerator_resource: str | None = None
+    # The logits processor decode engines load so that a resumed attempt's presence and frequency
+    # penalties and multi-token bad words count the earlier attempts' output
+    # (vllm_plugins/resumed_output.py); None: they count this attempt's output alone.
+    resume_logits_processor: str | None = None
 
 
 CPU = Backend(
@@ -115,6 +119,7 @@ CPU = Backend(
     prefill_listens=False,
     kv_ready_checks=("engine_id", "host", "port"),
     connector_reads_kv_host=True,
+    resume_logits_processor="serve_app.vllm_plugins.resumed_output:ResumedOutputLogitsProcessor",
 )
 
 ASCEND = Backend(
@@ -147,6 +152,10 @@ ASCEND = Backend(
     },
     extra_config_has_tp_sizes=True,
     accelerator_resource="NPU",
+    # Not loaded by default: with any custom logits processor vLLM hands every request's output
+    # tokens to the sampler, which under async scheduling waits for each step's tokens to reach
+    # the host (InputBatch.logitsprocs_need_output_token_ids). docs/ascend.md says how to add it.
+    resume_logits_processor=None,
 )
 
 MOCK = Backend(
@@ -384,6 +393,12 @@ def build_engine_kwargs(config: AppConfig, backend: Backend, role: Role, *, kv_p
         kwargs["kv_transfer_config"] = _kv_transfer_config(config, backend, role, kv_port, engine_id)
     if role == "decode" and recompute_enabled(config):
         _enable_recompute(kwargs, backend)
+    if role == "decode" and backend.resume_logits_processor and not kwargs.get("speculative_config"):
+        # Every decode engine: attempts resume after a recompute, a move or an engine's loss.
+        # vLLM refuses custom logits processors with speculative decoding.
+        processors = list(kwargs.get("logits_processors") or [])
+        if backend.resume_logits_processor not in processors:
+            kwargs["logits_processors"] = [*processors, backend.resume_logits_processor]
     if backend.mock_engine:
         kwargs["mock"] = {
             "costs": config.mock.model_dump(),

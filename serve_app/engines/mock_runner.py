@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 from serve_app.engines.pacing import FinishSignal, StreamPacer
 from serve_app.engines.records import Recent, TransferRecords
 from serve_app.wire.protocol import RECOMPUTED, EngineRequest, EngineStats, KVEndpoint, Role, TokenDelta, TokenLogprob
-from serve_app.wire.sampling import sampling_fields
+from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS, sampling_fields
 
 logger = logging.getLogger("pd_serve.engine")
 
@@ -145,6 +145,8 @@ class MockEngine:
             recomputes=self.recompute,
         )
         record: dict[str, Any] = {"prompt_tokens": len(seq.prompt), "output_tokens": 0, "finish_reason": None}
+        if resumed := (fields.get("extra_args") or {}).get(RESUMED_OUTPUT_TOKENS):
+            record["resumed_output_tokens"] = resumed  # the router's mark (vLLM's penalties read it)
         self.requests.put(seq.request_id, record)
         params = request.kv_transfer_params or {}
         if self.role == "prefill":

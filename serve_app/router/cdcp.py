@@ -37,7 +37,7 @@ from serve_app.runtime.logs import attempt_log_level
 from serve_app.runtime.metrics import RouterMetrics
 from serve_app.wire.protocol import MOVED as MOVED_STOP
 from serve_app.wire.protocol import EngineRejected, EngineRequest, KVEndpoint, KVReady, PrefillResult, Role, TokenDelta
-from serve_app.wire.sampling import encode_sampling
+from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS, encode_sampling
 
 logger = logging.getLogger("pd_serve.router")
 
@@ -168,6 +168,9 @@ class AttemptExecutor:
         params = params_template.clone()
         params.max_tokens = plan.max_tokens
         params.min_tokens = plan.min_tokens
+        if plan.resumed_output_tokens:
+            # So the decode engine's penalties count the earlier attempts' output as output.
+            params.extra_args = {**(params.extra_args or {}), RESUMED_OUTPUT_TOKENS: plan.resumed_output_tokens}
         encoded = encode_sampling(params)
         kv_params = None
         if plan.disaggregated:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from serve_app.router.errors import OpenAIError, bad_request
 from serve_app.router.text import PromptEncoder
 from serve_app.runtime.private_symbols import unchanged
+from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS
 
 logger = logging.getLogger("pd_serve.router")
 
@@ -35,8 +36,9 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 # Engine extra arguments pd-serve sets itself: a client may not set them, at the top level of
 # the request or through ``vllm_xargs`` (vLLM copies both into the engine's extra_args), since
-# they would steer an engine's KV transfer (where to post block ids, where to push KV).
-RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params"})
+# they would steer an engine's KV transfer (where to post block ids, where to push KV) or tell a
+# decode engine that part of the prompt is earlier output (its penalties would count it).
+RESERVED_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params", RESUMED_OUTPUT_TOKENS})
 
 # apply_chat_template's own arguments, and render_jinja_template's it passes its kwargs to
 # (transformers 5): passed through chat_template_kwargs they would change what the router renders

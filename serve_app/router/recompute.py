@@ -51,6 +51,7 @@ class AttemptPlan:
     disaggregated: bool
     avoid: frozenset[str] = frozenset()  # engines (either role) not preferred: the last one that failed
     min_tokens: int = 0  # what is left of the request's min_tokens
+    resumed_output_tokens: int = 0  # the prompt's last tokens that earlier attempts produced
 
     @property
     def request_id(self) -> str:
@@ -162,6 +163,7 @@ class RecomputeStateMachine:
             disaggregated=disaggregated,
             avoid=avoid,
             min_tokens=max(0, self.min_tokens - len(self.output_token_ids)),
+            resumed_output_tokens=len(self.output_token_ids),
         )
         self.phase = Phase.ATTEMPTING
         return self.current

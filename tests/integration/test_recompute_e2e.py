@@ -156,23 +156,16 @@ def test_recompute_under_kv_pressure_is_token_exact(app, baseline_app, cluster):
     wait_idle(app)
 
 
-def test_stop_string_across_attempts_under_pressure(app, baseline_app):
-    """A stop string taken from the reference output far enough in that attempts have ended
-    before it: the response still stops exactly there.
-
-    The request is resumed for sure: it starts after six long streams are running, three on
-    each decode engine (or more on one), so it is the newest request on an engine whose KV
-    (2,048 tokens) runs out while it is still some hundred tokens from its stop string, and the
-    recompute scheduler gives back the newest request first."""
-    body = {"prompt": token_pattern(250, 9), "max_tokens": 640, "ignore_eos": True}
-    reference = call(baseline_app, "completions", body)["text"]
-    stop = reference[len(reference) * 3 // 4 :][:6]
-    assert stop.strip(), "pick a visible stop string"
-    expected = reference[: reference.index(stop)]
+def resumed_under_pressure(app, body: dict[str, Any], first_seed: int) -> dict[str, Any]:
+    """``body`` sent, streamed, once six long streams are running, three on each decode engine (or
+    more on one): it is the newest request on an engine whose KV (2,048 tokens) runs out while it
+    still has some hundred tokens to go, and the recompute scheduler gives back the newest
+    request first, so it is resumed for sure (checked: a second attempt, and a first one that
+    ended early)."""
     running = [threading.Event() for _ in range(6)]
 
     def pressure(k: int) -> None:
-        load = {"prompt": token_pattern(300, 20 + k), "max_tokens": 640, "ignore_eos": True, "stream": True}
+        load = {"prompt": token_pattern(300, first_seed + k), "max_tokens": 640, "ignore_eos": True, "stream": True}
         with requests.post(app.base_url + "/v1/completions", json=load, stream=True, timeout=900) as response:
             assert response.status_code == 200, response.text
             for _ in sse_chunks(response):
@@ -183,16 +176,47 @@ def test_stop_string_across_attempts_under_pressure(app, baseline_app):
         t.start()
     for event in running:
         assert event.wait(300), "a pressure stream never started"
-    got = call(app, "completions", {**body, "stop": [stop], "stream": True})
+    got = call(app, "completions", {**body, "stream": True})
     for t in pressure_threads:
         t.join(timeout=900)
-    assert got["text"] == expected and got["finish"] == "stop"
-    # The premise: the request was resumed, and its first attempt ended before the stop string.
     records = {}
     for engine in inspect(app, "decode", [got["id"] + "-1", got["id"] + "-2"]).values():
         records.update({a: r for a, r in engine["requests"].items() if r is not None})
-    assert got["id"] + "-2" in records, "the request was never resumed: no stop string across attempts"
+    assert got["id"] + "-2" in records, "the request was never resumed"
     assert records[got["id"] + "-1"]["output_tokens"] < len(got["tokens"]), records
+    got["first_attempt_tokens"] = records[got["id"] + "-1"]["output_tokens"]
+    return got
+
+
+def test_stop_string_across_attempts_under_pressure(app, baseline_app):
+    """A stop string taken from the reference output far enough in that attempts have ended
+    before it: the response still stops exactly there."""
+    body = {"prompt": token_pattern(250, 9), "max_tokens": 640, "ignore_eos": True}
+    reference = call(baseline_app, "completions", body)["text"]
+    stop = reference[len(reference) * 3 // 4 :][:6]
+    assert stop.strip(), "pick a visible stop string"
+    expected = reference[: reference.index(stop)]
+    got = resumed_under_pressure(app, {**body, "stop": [stop]}, first_seed=20)
+    assert got["text"] == expected and got["finish"] == "stop"
+    # The premise: its first attempt ended before the stop string.
+    assert got["first_attempt_tokens"] < len(got["tokens"])
+    wait_idle(app)
+
+
+def test_penalties_and_bad_words_count_the_earlier_attempts_output(app, baseline_app):
+    """Presence and frequency penalties and multi-token bad words look at the output: on a
+    resumed attempt the earlier output is part of the prompt, and the decode engine's logits
+    processor (vllm_plugins/resumed_output.py) counts it as output again, so the response is
+    the one an uninterrupted run gives."""
+    body = {"prompt": token_pattern(250, 13), "max_tokens": 640, "ignore_eos": True}
+    plain = call(baseline_app, "completions", body)["text"]
+    word = plain[len(plain) // 2 :][:5]
+    assert word.strip(), "pick a visible bad word"
+    body.update(presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.05, bad_words=[word])
+    want = call(baseline_app, "completions", body)
+    got = resumed_under_pressure(app, body, first_seed=40)
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
+    assert got["finish"] == want["finish"] == "length"
     wait_idle(app)
 
 

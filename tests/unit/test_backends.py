@@ -331,3 +331,26 @@ def test_each_role_is_one_deployment_scaled_by_serve_and_routed_by_pd_serve():
     assert prefill_spec.beyond_args(3) is None
     assert "raise the pool's count or max_replicas in args" in prefill_spec.beyond_args(4)
     assert prefill_spec.for_rank(4).kv_port == first.kv_port  # the overlap it warns of
+
+
+RESUMED = "serve_app.vllm_plugins.resumed_output:ResumedOutputLogitsProcessor"
+
+
+def test_cpu_decode_engines_load_the_resumed_output_logits_processor():
+    """Every decode engine (colocated ones too: attempts also resume after a move or a lost
+    engine), after a user's own processors; never prefill engines (their one token is dropped),
+    nor with speculative decoding (vLLM refuses custom logits processors there)."""
+    specs = specs_by_name({"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}})
+    assert specs["decode-0"].engine_kwargs["logits_processors"] == [RESUMED]
+    assert "logits_processors" not in specs["prefill-0"].engine_kwargs
+    colocated = specs_by_name({"router": {"mode": "colocated"}, "prefill": {"num_replicas": 0}})
+    assert colocated["decode-0"].engine_kwargs["logits_processors"] == [RESUMED]
+    own = specs_by_name({"decode": {"engine_kwargs": {"logits_processors": ["mine:Proc"]}}})
+    assert own["decode-0"].engine_kwargs["logits_processors"] == ["mine:Proc", RESUMED]
+    speculative = {"decode": {"engine_kwargs": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}}}
+    assert "logits_processors" not in specs_by_name(speculative)["decode-0"].engine_kwargs
+
+
+def test_ascend_and_mock_decode_engines_load_no_logits_processor():
+    assert "logits_processors" not in specs_by_name(ASCEND)["decode-0"].engine_kwargs
+    assert "logits_processors" not in specs_by_name({"backend": "mock"})["decode-0"].engine_kwargs

@@ -649,6 +649,12 @@ def test_recompute_under_kv_pressure_through_the_session(tiny_tokenizer):
         for engine in app.engines.values():
             recomputed += sum(1 for r in engine.runner.requests.values() if r.get("stop_reason") == "recomputed")
         assert recomputed > 0
+        # Every later attempt tells its decode engine how much of its prompt is earlier output.
+        records = {rid: r for engine in app.engines.values() for rid, r in engine.runner.requests.items()}
+        for rid, record in records.items():
+            request, number = rid.rsplit("-", 1)
+            earlier = record["prompt_tokens"] - records[f"{request}-1"]["prompt_tokens"]
+            assert record.get("resumed_output_tokens", 0) == earlier and (earlier > 0) == (number != "1"), (rid, record)
         migrations = app.service.metrics.migrations.values
         assert {tags for tags in migrations} <= {(("cause", "kv_full"), ("engine", name)) for name in app.engines}
         assert sum(migrations.values()) == recomputed == app.service.metrics.recompute.value()

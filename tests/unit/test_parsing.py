@@ -88,6 +88,8 @@ def test_model_names(ctx):
         ({"kv_transfer_params": {"do_remote_prefill": True, "metaserver": "http://127.0.0.1:9/x"}}, "kv_transfer_params"),
         ({"kv_transfer_params": {}}, "kv_transfer_params"),
         ({"vllm_xargs": {"kv_transfer_params": "x"}}, "vllm_xargs.kv_transfer_params"),
+        ({"pd_resumed_output_tokens": 3}, "pd_resumed_output_tokens"),
+        ({"vllm_xargs": {"pd_resumed_output_tokens": 3}}, "vllm_xargs.pd_resumed_output_tokens"),
     ],
 )
 def test_clients_cannot_set_kv_transfer_params(ctx, route, extra, param):

@@ -318,6 +318,15 @@ def test_min_tokens_left_shrinks_across_attempts():
     assert m.start_attempt(False).min_tokens == 0
 
 
+def test_a_later_attempt_says_how_much_of_its_prompt_is_earlier_output():
+    m = machine(max_tokens=20)
+    assert m.start_attempt(False).resumed_output_tokens == 0
+    m.on_delta(delta(0, 1, 2))
+    m.on_delta(recomputed())
+    plan = m.start_attempt(True)
+    assert plan.resumed_output_tokens == 3 and plan.prompt_token_ids[-3:] == [0, 1, 2]
+
+
 def test_a_stop_tokens_text_is_left_out_unless_asked_for_as_vllm_does():
     for stop_reason in (None, 7):  # EOS; one of stop_token_ids
         m = machine()
