@@ -71,6 +71,14 @@ class KVReadyEvent:
 
 
 @dataclass
+class PrefillStartedEvent:
+    """The prefill call went out: the engine has served the request even if decode finishes
+    before the call returns (a short answer) and the call is cancelled."""
+
+    engine: str
+
+
+@dataclass
 class PrefillDoneEvent:
     engine: str
     result: PrefillResult | None = None
@@ -110,7 +118,7 @@ def failure_of(role: str, exc: BaseException) -> tuple[str, str]:
     return f"the {role} engine's call failed ({type(exc).__name__})", str(exc)[:1000]
 
 
-AttemptEvent = KVReadyEvent | PrefillDoneEvent | DeltaEvent | AttemptFailed
+AttemptEvent = KVReadyEvent | PrefillStartedEvent | PrefillDoneEvent | DeltaEvent | AttemptFailed
 
 # The kind of an AttemptFailed that is a move, not a failure: an engine of the attempt (decode, or
 # prefill before it took the prompt) is being stopped.
@@ -410,6 +418,7 @@ class AttemptRun:
                     yield AttemptFailed("no prefill engine is available", True, None, 503, "no_engine")
                 return
             self._start_prefill(prefill, item.params)
+            yield PrefillStartedEvent(prefill.name)
         elif isinstance(item, EngineRejected):
             yield AttemptFailed(item.message, False, self.decode, 400, "rejected")
         elif isinstance(item, TokenDelta):

@@ -12,7 +12,16 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from serve_app.router.cdcp import MOVED, AttemptEvent, AttemptExecutor, AttemptFailed, DeltaEvent, KVReadyEvent, PrefillDoneEvent
+from serve_app.router.cdcp import (
+    MOVED,
+    AttemptEvent,
+    AttemptExecutor,
+    AttemptFailed,
+    DeltaEvent,
+    KVReadyEvent,
+    PrefillDoneEvent,
+    PrefillStartedEvent,
+)
 from serve_app.router.engine_client import one_line
 from serve_app.router.errors import error_body
 from serve_app.router.framing import ResponseFramer
@@ -165,7 +174,7 @@ class ResponseSession:
         match event:
             case KVReadyEvent():  # the attempt's own phase (cdcp.AttemptRun); nothing for the request
                 return None
-            case PrefillDoneEvent(engine=engine):
+            case PrefillStartedEvent(engine=engine) | PrefillDoneEvent(engine=engine):
                 self._engines.setdefault(engine, None)
                 return None
             case DeltaEvent(delta=delta, engine=engine):

@@ -200,6 +200,33 @@ def test_one_request_is_traced_across_its_attempts(tiny_tokenizer, pd_debug_log)
     run_with_metrics(body, pressure, tiny_tokenizer)
 
 
+def test_the_end_line_names_the_prefill_engine_when_decode_finishes_before_the_prefill_call_returns(tiny_tokenizer, pd_log):
+    """The prefill engine's reply can come after decode has streamed a short answer: the attempt
+    then ends and cancels the call, and the request's end line still names the engine that
+    computed its prompt."""
+
+    async def body(app, metrics):
+        runner = app.engines["prefill-0"].runner
+        real, gate = runner.generate, asyncio.Event()
+
+        async def reply_held(request):
+            async for event in real(request):  # the push is done before its one event
+                await gate.wait()
+                yield event
+
+        runner.generate = reply_held
+        try:
+            status, data = await completion(app, [31] * 10, max_tokens=3)
+        finally:
+            gate.set()
+        assert status == 200 and len(data["choices"][0]["token_ids"]) == 3
+        (end,) = [r for r in pd_log.records if getattr(r, "pd_request", None) == data["id"] and hasattr(r, "pd_outcome")]
+        assert "prefill-0" in end.pd_engines.split(","), end.getMessage()
+        assert metrics.prefill.observed == {}  # the premise: the prefill call never returned to the router
+
+    run_with_metrics(body, args(), tiny_tokenizer)
+
+
 def test_at_info_a_request_logs_its_end_and_only_the_attempts_after_its_first(tiny_tokenizer, pd_log):
     """The default level keeps the log (and the router's CPU, and every request's TTFT) to one
     line for a request that goes through at once; a request that needed more attempts still
