@@ -254,13 +254,16 @@ def set_arg(args: dict[str, Any], dotted: str, value: Any) -> None:
 
 def vllm_server_command(port: int) -> tuple[list[str], dict[str, str]]:
     """vLLM's OpenAI server with the engine arguments and thread binding of pd-serve's colocated
-    decode engine (minus pd-serve's own connector and scheduler)."""
-    from serve_app.config.backends import engine_specs
+    decode engine (minus pd-serve's own connector, scheduler and logits processor)."""
+    from serve_app.config.backends import CPU, engine_specs
     from serve_app.config.settings import load_config
     from serve_app.vllm_plugins.watchdog import ENV as WATCHDOG_ENV
 
     (spec,) = [s for s in engine_specs(load_config(app_args("colocated"))) if s.role == "decode"]
     kwargs = {k: v for k, v in spec.engine_kwargs.items() if k not in ("kv_transfer_config", "scheduler_cls")}
+    processors = [p for p in kwargs.pop("logits_processors", None) or () if p != CPU.resume_logits_processor]
+    if processors:
+        kwargs["logits_processors"] = processors
     # The engine's own environment (thread binding, offline hub, the idle-spin bounds and the
     # engine core's placement on its worker's cores, which vLLM's server on a small shared host
     # gets as pd-serve's engines do), not the parent watchdog.
@@ -270,6 +273,8 @@ def vllm_server_command(port: int) -> tuple[list[str], dict[str, str]]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             cmd.append(flag)
+        elif isinstance(value, list):
+            cmd += [flag, *map(str, value)]
         elif value is not False and value is not None:
             cmd += [flag, str(value)]
     return cmd, {**base_env(), **env}

@@ -161,3 +161,13 @@ def test_a_streams_events_are_its_json_data_lines_without_done_comments_or_blank
         return [event async for event in bench.sse_events(SimpleNamespace(content=lines()))]
 
     assert asyncio.run(read()) == [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}]
+
+
+def test_vllms_server_runs_the_engine_arguments_without_pd_serves_plug_ins(bench):
+    """The baseline is vLLM's own server: no pd-serve connector, scheduler or logits processor,
+    and every argument a plain string its CLI parses (a list's items one by one)."""
+    cmd, _ = bench.vllm_server_command(8000)
+    assert all(isinstance(a, str) and not a.startswith("[") for a in cmd), cmd
+    assert not any("serve_app" in a for a in cmd), cmd
+    assert "--logits-processors" not in cmd and "--scheduler-cls" not in cmd
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "64"
