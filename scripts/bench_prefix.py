@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import statistics
@@ -43,7 +42,7 @@ import yaml
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, pd_engines, sse_events, started  # noqa: E402
+from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, pd_engines, sse_events, started, vllm_client  # noqa: E402
 
 from serve_app.runtime.ports import free_port  # noqa: E402
 
@@ -104,18 +103,11 @@ def summarize_engines(before: dict[str, dict[str, Any]], after: dict[str, dict[s
 # ---------------------------------------------------------------------------- workloads
 def prefix_repetition(port: int, quick: bool) -> dict[str, Any]:
     """vLLM's own client and shared-prefix dataset."""
-    from vllm.benchmarks.serve import add_cli_args, main_async
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    args = parser.parse_args(
+    result = vllm_client(
+        port,
+        SERVED_NAME,
+        str(REPO_ROOT / ".cache" / "tiny-llama"),
         [
-            "--backend", "openai",
-            "--base-url", f"http://127.0.0.1:{port}",
-            "--endpoint", "/v1/completions",
-            "--model", SERVED_NAME,
-            "--tokenizer", str(REPO_ROOT / ".cache" / "tiny-llama"),
             "--dataset-name", "prefix_repetition",
             "--prefix-repetition-prefix-len", "512",
             "--prefix-repetition-suffix-len", "64",
@@ -128,10 +120,8 @@ def prefix_repetition(port: int, quick: bool) -> dict[str, Any]:
             "--seed", "0",
             "--percentile-metrics", "ttft,tpot,e2el",
             "--metric-percentiles", "50,90",
-        ]
+        ],
     )  # fmt: skip
-    with contextlib.redirect_stdout(sys.stderr):
-        result = asyncio.run(main_async(args))
     return {
         "ttft_p50_ms": result["p50_ttft_ms"],
         "ttft_p90_ms": result["p90_ttft_ms"],

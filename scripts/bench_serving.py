@@ -313,19 +313,26 @@ async def sse_events(response: Any) -> AsyncIterator[dict[str, Any]]:
             yield json.loads(payload)
 
 
-def bench(port: int, workload: Workload, tokenizer: str, served_name: str) -> dict[str, Any]:
+def vllm_client(port: int, served_name: str, tokenizer: str, argv: list[str]) -> dict[str, Any]:
+    """vLLM's own benchmark client (``vllm bench serve``) against the completions route on
+    ``port``, with ``argv`` choosing the dataset and load; its report on stderr."""
     from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    args = parser.parse_args(
+    target = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions"]
+    args = parser.parse_args([*target, "--model", served_name, "--tokenizer", tokenizer, *argv])
+    with contextlib.redirect_stdout(sys.stderr):
+        return asyncio.run(main_async(args))
+
+
+def bench(port: int, workload: Workload, tokenizer: str, served_name: str) -> dict[str, Any]:
+    return vllm_client(
+        port,
+        served_name,
+        tokenizer,
         [
-            "--backend", "openai",
-            "--base-url", f"http://127.0.0.1:{port}",
-            "--endpoint", "/v1/completions",
-            "--model", served_name,
-            "--tokenizer", tokenizer,
             "--dataset-name", "random",
             "--random-input-len", str(workload.input_len),
             "--random-output-len", str(workload.output_len),
@@ -336,10 +343,8 @@ def bench(port: int, workload: Workload, tokenizer: str, served_name: str) -> di
             "--num-warmups", "2",
             "--seed", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el",
-        ]
+        ],
     )  # fmt: skip
-    with contextlib.redirect_stdout(sys.stderr):
-        return asyncio.run(main_async(args))
 
 
 def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
