@@ -51,9 +51,9 @@ class EarlierOutput:
         self._ready = False
         self._earlier: list[int] = []
         self._tokens = torch.empty(0, dtype=torch.long)  # distinct earlier tokens
-        self._position: dict[int, int] = {}  # token -> its index in _tokens
         self._subtract = torch.empty(0)  # what one run's penalties take off each, beyond vLLM's
-        self._absent = torch.empty(0, dtype=torch.bool)  # not (yet) in this attempt's output
+        # Earlier tokens not (yet) in this attempt's output -> their index in _tokens.
+        self._absent: dict[int, int] = {}
         self._seen = 0  # output tokens already looked at
 
     def _start(self, prompt_ids: Sequence[int]) -> None:
@@ -64,10 +64,9 @@ class EarlierOutput:
         counts = Counter(self._earlier)
         tokens = list(counts)
         self._tokens = torch.tensor(tokens, dtype=torch.long)
-        self._position = {t: i for i, t in enumerate(tokens)}
         # Until a token shows up in this attempt's output, vLLM's presence penalty skips it.
         self._subtract = torch.tensor([self.frequency * counts[t] + self.presence for t in tokens], dtype=torch.float32)
-        self._absent = torch.ones(len(tokens), dtype=torch.bool)
+        self._absent = {t: i for i, t in enumerate(tokens)}
 
     def _note_output(self, output_ids: Sequence[int]) -> None:
         """This attempt's new output tokens: once an earlier token appears again, vLLM's own
@@ -78,9 +77,8 @@ class EarlierOutput:
             token = output_ids[self._seen]
             if token < 0:
                 break
-            i = self._position.get(token)
-            if i is not None and self._absent[i]:
-                self._absent[i] = False
+            i = self._absent.pop(token, None)
+            if i is not None:
                 self._subtract[i] -= self.presence
             self._seen += 1
 
@@ -113,7 +111,7 @@ class EarlierOutput:
     def _ban_words_across_attempts(self, output_ids: Sequence[int], logits: torch.Tensor) -> None:
         """A bad word whose first tokens end the earlier output (vLLM checks the new output
         alone, and only once it is as long as the word's prefix)."""
-        produced = self._seen if len(self._tokens) else _valid_length(output_ids)
+        produced = _valid_length(output_ids)  # short: this runs only while a prefix is unseen
         waiting = False
         for word in self.bad_words:
             prefix = len(word) - 1
