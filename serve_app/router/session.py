@@ -172,9 +172,9 @@ class ResponseSession:
         """The state machine's answer to the attempt's next event (None: nothing to answer)."""
         machine = self.machine
         match event:
-            case KVReadyEvent():  # the attempt's own phase (cdcp.AttemptRun); nothing for the request
+            case KVReadyEvent() | PrefillDoneEvent():  # the attempt's own phases (cdcp.AttemptRun)
                 return None
-            case PrefillStartedEvent(engine=engine) | PrefillDoneEvent(engine=engine):
+            case PrefillStartedEvent(engine=engine):  # always before its PrefillDoneEvent
                 self._engines.setdefault(engine, None)
                 return None
             case DeltaEvent(delta=delta, engine=engine):
