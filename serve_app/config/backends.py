@@ -21,6 +21,7 @@ from serve_app.config.settings import DEFAULT_ITEMS_PER_S, AppConfig, EngineGrou
 from serve_app.runtime.cpu_placement import engines_cpus
 from serve_app.vllm_plugins.core_affinity import ENV as CORE_BIND_ENV
 from serve_app.vllm_plugins.gloo_device import ENV as SHARED_GLOO_DEVICE_ENV
+from serve_app.vllm_plugins.seeded_sampling import ENV as SEEDED_SAMPLING_ENV
 from serve_app.vllm_plugins.spin import CORE_ENV as CORE_SPIN_ENV
 from serve_app.vllm_plugins.spin import ENV as SPIN_ENV
 from serve_app.vllm_plugins.watchdog import ENV as WATCHDOG_ENV
@@ -111,6 +112,9 @@ CPU = Backend(
         SPIN_ENV: str(ENGINE_SPIN_S),
         CORE_SPIN_ENV: str(ENGINE_CORE_SPIN_S),
         SHARED_GLOO_DEVICE_ENV: "1",
+        # Seeded sampling that survives chunked prefill (vLLM's CPU generators cannot undo a
+        # draw) and goes on where a resumed request left off.
+        SEEDED_SAMPLING_ENV: "1",
     },
     router_env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
     pins_cpu_threads=True,

@@ -27,15 +27,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS
-
-
-def resumed_output_tokens(params: SamplingParams) -> int:
-    """How many of the request's prompt tokens an earlier attempt produced (0: a first attempt)."""
-    value = (params.extra_args or {}).get(RESUMED_OUTPUT_TOKENS, 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"extra_args.{RESUMED_OUTPUT_TOKENS} must be a non-negative integer, got {value!r}")
-    return value
+from serve_app.wire.sampling import resumed_output_tokens
 
 
 class EarlierOutput:

@@ -18,6 +18,15 @@ import msgspec
 RESUMED_OUTPUT_TOKENS = "pd_resumed_output_tokens"
 
 
+def resumed_output_tokens(params: Any) -> int:
+    """How many of a request's prompt tokens an earlier attempt produced (0: a first attempt), from
+    a vLLM ``SamplingParams``."""
+    value = (params.extra_args or {}).get(RESUMED_OUTPUT_TOKENS, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"extra_args.{RESUMED_OUTPUT_TOKENS} must be a non-negative integer, got {value!r}")
+    return value
+
+
 def encode_sampling(params: Any) -> bytes:
     return msgspec.msgpack.encode(params)
 

@@ -38,9 +38,10 @@ def app(cluster):
 
 
 def call(app, route: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One request, streamed or not; returns id, token ids, text, finish_reason, usage, logprobs."""
+    """One request, streamed or not (greedy unless ``body`` sets a temperature); returns id, token
+    ids, text, finish_reason, usage, logprobs."""
     path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    body = {**body, "temperature": 0, "return_token_ids": True}
+    body = {"temperature": 0, **body, "return_token_ids": True}
     if not body.get("stream"):
         response = post(app, path, body, timeout=900)
         assert response.status_code == 200, response.text
@@ -217,6 +218,17 @@ def test_penalties_and_bad_words_count_the_earlier_attempts_output(app, baseline
     got = resumed_under_pressure(app, body, first_seed=40)
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
     assert got["finish"] == want["finish"] == "length"
+    wait_idle(app)
+
+
+def test_seeded_sampling_goes_on_where_the_earlier_attempt_left_off(app, baseline_app):
+    """A seeded request at temperature 1: the resumed attempt's sampler skips the draws of the
+    earlier attempts' tokens (vllm_plugins/seeded_sampling.py), so the response is the one an
+    uninterrupted run gives."""
+    body = {"prompt": token_pattern(250, 17), "max_tokens": 640, "ignore_eos": True, "temperature": 1.0, "top_p": 0.9, "seed": 5}
+    want = call(baseline_app, "completions", body)
+    got = resumed_under_pressure(app, body, first_seed=80)
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
     wait_idle(app)
 
 

@@ -9,6 +9,7 @@ only): no test module imports another (tests/unit/test_test_layout.py checks it)
 * ``faults``: fault injection in real engines (imported inside Ray replicas and vLLM's processes).
 * ``namespaces``: running a whole story in PID and network namespaces of its own.
 * ``two_nodes_driver``: the two-node story, run as a script inside such namespaces.
+* ``seeded_engine_driver``: seeded sampling through one in-process vLLM engine, run as a script.
 * ``kv_helpers``: stand-ins for the KV connector's unit tests.
 * ``fuzz_strategies``: hypothesis strategies for OpenAI request bodies.
 * ``log_capture``: a logging handler that keeps its records.
