@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 # The ``extra_args`` key the router sets on a resumed attempt: how many of its prompt's last tokens
-# are output of the request's earlier attempts (vllm_plugins/resumed_output.py reads it).
+# are output of the request's earlier attempts (vllm_plugins/resumed_output.py and seeded_sampling.py read it).
 RESUMED_OUTPUT_TOKENS = "pd_resumed_output_tokens"
 
 
