@@ -14,26 +14,31 @@ import gc
 import json
 import os
 import sys
+from typing import Any
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: seconds to start
+from serve_app.config.settings import DEFAULT_MODEL_DIR
+from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS
 
-from vllm import LLM, SamplingParams  # noqa: E402
-
-from serve_app.config.settings import DEFAULT_MODEL_DIR  # noqa: E402
-from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS  # noqa: E402
+# Nothing here changes the environment on import: the test module imports the constants, and an
+# environment variable set in the test process would reach every engine the session starts.
 
 PROMPT = [(i * 37) % 900 + 20 for i in range(300)]
 MAX_TOKENS = 24
 EARLIER = 10
 
 
-def sample(llm: LLM, prompt: list[int], max_tokens: int, extra_args: dict | None = None) -> list[int]:
+def sample(llm: Any, prompt: list[int], max_tokens: int, extra_args: dict | None = None) -> list[int]:
+    from vllm import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True, extra_args=extra_args)
     (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     return list(out.outputs[0].token_ids)
 
 
 def main(budgets: list[int]) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: seconds to start
+    from vllm import LLM
+
     result = {}
     for budget in budgets:
         llm = LLM(

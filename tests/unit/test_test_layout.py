@@ -73,6 +73,37 @@ def test_helpers_live_in_tests_support():
     assert not stray, stray
 
 
+def environment_writes_on_import(tree: ast.Module) -> list[str]:
+    """Statements that run on import (module level, not inside a function or a class, not under
+    ``if __name__ == "__main__"``) and write ``os.environ``."""
+
+    def top_level(body: list[ast.stmt]) -> list[ast.stmt]:
+        found = []
+        for node in body:
+            if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+                continue
+            if isinstance(node, (ast.If, ast.Try, ast.With)):
+                found += top_level([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])])
+            elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.append(node)
+        return found
+
+    writes = ("os.environ[", "os.environ.setdefault(", "os.environ.update(", "os.putenv(", "os.environ.pop(")
+    return [ast.unparse(node).splitlines()[0] for node in top_level(tree.body) if any(w in ast.unparse(node) for w in writes)]
+
+
+def test_no_test_module_or_helper_changes_the_environment_on_import():
+    """The test process's environment reaches every Ray worker and engine the session starts: a
+    variable set on import (say ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` by a script's module that a
+    test imports for its constants) changes every app of the run. Fixtures use monkeypatch;
+    scripts set theirs when they run."""
+    found = []
+    for path in modules():
+        writes = environment_writes_on_import(ast.parse(path.read_text(), str(path)))
+        found += [f"{path.relative_to(TESTS.parent)}: {line}" for line in writes]
+    assert not found, found
+
+
 def test_the_layout_checks_see_what_they_look_for():
     """The checks above on a module that breaks each rule (so a check that finds nothing is not
     one that cannot find anything)."""
@@ -91,3 +122,11 @@ def test_the_layout_checks_see_what_they_look_for():
     assert not [n for n in names if n.startswith("tests.support") and n.rsplit(".", 1)[-1].startswith("test_")]
     fixture, helper = ast.parse("@pytest.fixture(scope='session')\ndef a(): pass\ndef b(): pass\n").body
     assert any(is_fixture(d) for d in fixture.decorator_list) and not helper.decorator_list
+    tree = ast.parse(
+        "import os\n"
+        "os.environ['A'] = '1'\n"
+        "if True:\n    os.environ.setdefault('B', '1')\n"
+        "def f():\n    os.environ['C'] = '1'\n"
+        "if __name__ == '__main__':\n    os.environ['D'] = '1'\n"
+    )
+    assert environment_writes_on_import(tree) == ["os.environ['A'] = '1'", "os.environ.setdefault('B', '1')"]
