@@ -321,6 +321,19 @@ _ENTRIES: tuple[Symbol, ...] = (
         params=("(self, scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens)",),
         source_has=(("GPUModelRunner._bookkeeping_sync", "gen.set_offset(gen.get_offset() - 4)"),),
     ),
+    Symbol(
+        "vllm.v1.executor.multiproc_executor",
+        "WorkerProc.make_worker_process",
+        "vllm",
+        READ,
+        "serve_app/vllm_plugins/seeded_sampling.py",
+        CPU,
+        params=(
+            "(vllm_config, local_rank, rank, distributed_init_method, input_shm_handle, shared_worker_lock, is_driver_worker, "
+            "inherited_fds)",
+        ),
+        source_has=(("WorkerProc.make_worker_process", 'name=f"VllmWorker-{rank}"'),),
+    ),
     # vllm_plugins/gloo_device.py
     Symbol(
         _C10D,

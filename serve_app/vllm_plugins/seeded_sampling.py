@@ -15,10 +15,13 @@ request. Two things go wrong with that here:
   request had got to: the response is not the one an uninterrupted run gives.
 
 ``install`` is a vLLM general plugin (pyproject's ``vllm.general_plugins`` entry point), active
-where the engine's environment sets ``PD_SERVE_SEEDED_SAMPLING=1`` (the CPU backend does). It
-gives each seeded request a ``StepGenerator`` (``step_generator.py``): the same generator, which remembers its state
-before each sampling step so that vLLM's undo restores it, and which skips, before its first
-step, the draws of the output tokens the earlier attempts sampled. How many draws a step takes is
+where the engine's environment sets ``PD_SERVE_SEEDED_SAMPLING=1`` (the CPU backend does), in the
+process that runs the model: a worker, or the engine's own process where vLLM runs it in-process
+(the replica and the engine core would import the sampler and model runner for nothing, about a
+second each). It gives each seeded request a ``StepGenerator`` (``step_generator.py``): the same
+generator, which remembers its state before each sampling step so that vLLM's undo restores it,
+and which skips, before its first step, the draws of the output tokens the earlier attempts
+sampled. How many draws a step takes is
 the sampler's business; the generator replays them with the sampler's own settings (its
 float64 Gumbel noise or not, the vocabulary size), so the next draw is the one the request's own
 uninterrupted run would take.
@@ -31,6 +34,7 @@ where generators have offsets: nothing here applies.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 from typing import Any
 
@@ -49,11 +53,20 @@ SYMBOLS = (
     f"{_SAMPLER}.forward_cpu",
     f"{_RUNNER}._update_states",
     f"{_RUNNER}._bookkeeping_sync",
+    "vllm.v1.executor.multiproc_executor.WorkerProc.make_worker_process",
 )
+# The name vLLM's multiprocessing executor gives each worker process (WorkerProc.make_worker_process).
+WORKER_PROCESS = "VllmWorker-"
+
+
+def runs_the_model() -> bool:
+    """A vLLM worker process, or a process that runs its engine (and model) in-process."""
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    return in_process or multiprocessing.current_process().name.startswith(WORKER_PROCESS)
 
 
 def install() -> None:
-    if os.environ.get(ENV) != "1":
+    if os.environ.get(ENV) != "1" or not runs_the_model():
         return
     try:
         from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler

@@ -6,6 +6,8 @@ engine; test_recompute_e2e.py through a recompute."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 import vllm._custom_ops  # noqa: F401  (registers the CPU sampler's fused kernel)
@@ -15,7 +17,15 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
 from serve_app.config.backends import CPU
 from serve_app.vllm_plugins import seeded_sampling
-from serve_app.vllm_plugins.seeded_sampling import ENV, earlier_steps, install, marking_steps, with_step_generator
+from serve_app.vllm_plugins.seeded_sampling import (
+    ENV,
+    WORKER_PROCESS,
+    earlier_steps,
+    install,
+    marking_steps,
+    runs_the_model,
+    with_step_generator,
+)
 from serve_app.vllm_plugins.step_generator import STEP_OFFSET, StepGenerator
 from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS
 
@@ -134,14 +144,23 @@ def test_a_malformed_mark_is_ignored_rather_than_ending_the_engine():
     assert earlier_steps(None) == 0
 
 
-def test_install_patches_only_where_the_environment_asks_and_once(monkeypatch):
+def test_install_patches_only_where_the_environment_asks_in_the_models_process_and_once(monkeypatch):
     original_forward, original_post_init = TopKTopPSampler.forward_cpu, CachedRequestState.__post_init__
     monkeypatch.setattr(TopKTopPSampler, "forward_cpu", original_forward)
     monkeypatch.setattr(CachedRequestState, "__post_init__", original_post_init)
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(multiprocessing.current_process(), "name", f"{WORKER_PROCESS}0")
     install()
     assert TopKTopPSampler.forward_cpu is original_forward
     monkeypatch.setenv(ENV, "1")
+    for name in ("EngineCore_DP0", "MainProcess"):  # the engine core and the replica: no model here
+        monkeypatch.setattr(multiprocessing.current_process(), "name", name)
+        install()
+        assert TopKTopPSampler.forward_cpu is original_forward
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # ... unless vLLM runs the model in-process
+    assert runs_the_model()
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    monkeypatch.setattr(multiprocessing.current_process(), "name", f"{WORKER_PROCESS}0")
     install()
     patched_forward = TopKTopPSampler.forward_cpu
     assert patched_forward is not original_forward and CachedRequestState.__post_init__ is not original_post_init
