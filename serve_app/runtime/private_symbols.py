@@ -334,6 +334,36 @@ _ENTRIES: tuple[Symbol, ...] = (
         ),
         source_has=(("WorkerProc.make_worker_process", 'name=f"VllmWorker-{rank}"'),),
     ),
+    # vllm_plugins/resumed_grammar.py
+    Symbol(
+        "vllm.v1.structured_output",
+        "StructuredOutputManager._create_grammar",
+        "vllm",
+        PATCH,
+        "serve_app/vllm_plugins/resumed_grammar.py",
+        BOTH,
+        params=("(self, request)",),
+        source_has=(("StructuredOutputManager.grammar_init", "self.executor.submit(self._create_grammar, request)"),),
+    ),
+    Symbol(
+        "vllm.v1.structured_output",
+        "StructuredOutputManager.reasoner_cls",
+        "vllm",
+        READ,
+        "serve_app/vllm_plugins/resumed_grammar.py",
+        BOTH,
+        kind=INSTANCE_ATTRIBUTE,
+        source_has=(("StructuredOutputManager._get_reasoner", "self.reasoner_cls("),),
+    ),
+    Symbol(
+        "vllm.v1.structured_output.backend_types",
+        "StructuredOutputGrammar.accept_tokens",
+        "vllm",
+        READ,
+        "serve_app/vllm_plugins/resumed_grammar.py",
+        BOTH,
+        params=("(self, request_id, tokens)",),
+    ),
     # vllm_plugins/gloo_device.py
     Symbol(
         _C10D,

@@ -4,7 +4,9 @@ tests/support/faults.py (requested through the prompt)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import threading
 import time
@@ -109,6 +111,55 @@ def test_token_exact_versus_colocated_and_kv_really_transferred(app, baseline_ap
         assert len(pushed) == 1 and pushed[0]["outcome"] == "done"
         assert pushed[0]["tokens_pushed"] == transfer["tokens_received"]
     assert cached_prefix_seen, "no request found its prefix cached on the decode engine"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_through_disaggregated_engines(app, baseline_app):
+    """A JSON schema (chat's response_format) and a regex (completions' structured_outputs): the
+    decode engine samples under the grammar with KV pushed by a prefill engine, token for token
+    what a colocated engine samples, and the response matches the grammar; an invalid schema gets
+    a 400 that says what is wrong with it (vLLM's check, when the decode engine admits it)."""
+    chat = {
+        "messages": [{"role": "user", "content": "Who is it?"}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "return_token_ids": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+    }
+    want = post(baseline_app, "/v1/chat/completions", chat).json()["choices"][0]
+    response = post(app, "/v1/chat/completions", chat)
+    assert response.status_code == 200, response.text
+    got = response.json()["choices"][0]
+    assert got["token_ids"] == want["token_ids"] and got["finish_reason"] == "stop"
+    document = json.loads(got["message"]["content"])
+    assert set(document) == {"name", "age"} and isinstance(document["age"], int) and len(document["name"]) <= 12
+
+    regex = r"\[(\d{1,3},){20}\d{1,3}\]"
+    prompt = " ".join(f"w{i % 97}" for i in range(120))  # long enough to be prefilled by a prefill engine
+    response_id, got_ids = completion_ids(app, prompt, max_tokens=200, ignore_eos=False, structured_outputs={"regex": regex})
+    _, want_ids = completion_ids(baseline_app, prompt, max_tokens=200, ignore_eos=False, structured_outputs={"regex": regex})
+    assert got_ids == want_ids
+    body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "structured_outputs": {"regex": regex}}
+    text = post(app, "/v1/completions", body).json()["choices"][0]["text"]
+    assert re.fullmatch(regex, text), text
+    wait_idle(app)
+    attempt = response_id + "-1"
+    (pushed,) = [p["transfers"][attempt] for p in inspect(app, "prefill", [attempt]).values() if p["transfers"][attempt]]
+    assert pushed["outcome"] == "done"
+
+    bad = {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no such type"}}}}
+    response = post(app, "/v1/chat/completions", bad)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "invalid type: no such type" in error["message"].lower(), error
+    wait_idle(app)
 
 
 def test_corrupted_kv_changes_the_output(app, baseline_app):

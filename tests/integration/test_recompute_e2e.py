@@ -5,6 +5,7 @@ replica killed mid-stream is resumed the same way."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -239,6 +240,19 @@ def test_seeded_sampling_goes_on_where_the_earlier_attempt_left_off(app, baselin
     want = call(baseline_app, "completions", body)
     got = resumed_under_pressure(app, body, first_seed=100)
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
+    wait_idle(app)
+
+
+def test_structured_output_goes_on_where_the_earlier_attempt_left_off(app, baseline_app, tiny_tokenizer):
+    """A regex some 500 tokens long: the resumed attempt's grammar is advanced by the earlier
+    attempts' output (vllm_plugins/resumed_grammar.py) instead of starting over, so the response
+    is the one an uninterrupted run gives, and it matches the regex."""
+    regex = r"\[(\d{1,3},){150}\d{1,3}\]"
+    body = {"prompt": token_pattern(250, 19), "max_tokens": 640, "structured_outputs": {"regex": regex}}
+    want = call(baseline_app, "completions", body)
+    assert want["finish"] == "stop" and re.fullmatch(regex, tiny_tokenizer.decode(want["tokens"], skip_special_tokens=True))
+    got = resumed_under_pressure(app, body, first_seed=120)
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["finish"] == "stop"
     wait_idle(app)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from serve_app.router.errors import OpenAIError
@@ -49,6 +51,34 @@ def test_logprobs_settings(ctx):
     assert refused(ctx, "completions", {"prompt": "x", "logprobs": 50}).param == "logprobs"
 
 
+def test_structured_output_reaches_the_engines_as_vllm_builds_it(ctx):
+    """``response_format`` and ``structured_outputs`` become vLLM's own ``StructuredOutputsParams``
+    and survive the trip to an engine (a resumed attempt's grammar goes on from the earlier output:
+    vllm_plugins/resumed_grammar.py)."""
+    from serve_app.wire.sampling import decode_sampling, encode_sampling
+
+    def engine_params(route: str, body: dict) -> Any:
+        return decode_sampling(encode_sampling(parse_request(route, body, ctx).sampling_params))
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    params = engine_params("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": json_schema})
+    assert params.structured_outputs.json == schema
+    params = engine_params("completions", {"prompt": "x", "response_format": {"type": "json_object"}})
+    assert params.structured_outputs.json_object is True
+    params = engine_params("completions", {"prompt": "x", "structured_outputs": {"regex": "[ab]+"}})
+    assert params.structured_outputs.regex == "[ab]+"
+    # vLLM's own check of the shape: one kind of constraint per request.
+    error = refused(ctx, "completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}})
+    assert "structured" in error.message.lower()
+    # A schema as a string is bounded as the body is (vLLM 0.23 would spend seconds converting it).
+    def nested(levels: int) -> str:  # ``levels`` objects, one inside the other
+        return '{"type": "array", "items": ' * (levels - 1) + "{}" + "}" * (levels - 1)
+
+    assert refused(ctx, "completions", {"prompt": "x", "structured_outputs": {"json": nested(65)}}).param == "structured_outputs.json"
+    assert engine_params("completions", {"prompt": "x", "structured_outputs": {"json": nested(64)}}).structured_outputs.json
+
+
 @pytest.mark.parametrize(
     "route,body,param",
     [
@@ -56,7 +86,6 @@ def test_logprobs_settings(ctx):
         ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("completions", {"prompt": ["a", "b"]}, "prompt"),
         ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
-        ("completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, "messages"),
         ("completions", {"prompt": "x", "n": 2}, "n"),

@@ -80,6 +80,16 @@ HOSTILE = {
     "ec_transfer_params": ({"ec_transfer_params": {"x": 1}}, "ec_transfer_params"),
     "vllm_xargs ec_transfer_params": ({"vllm_xargs": {"ec_transfer_params": "x"}}, "vllm_xargs.ec_transfer_params"),
     "structured_outputs of the wrong shape": ({"structured_outputs": []}, None),  # found by the fast fuzzer
+    # A schema as a string escapes the body's nesting bound; converting it costs steeply more with
+    # depth (vLLM 0.23, on Ascend, does not bound it).
+    "structured_outputs.json nested in a string": (
+        {"structured_outputs": {"json": '{"type": "array", "items": ' * 65 + "{}" + "}" * 65}},
+        "structured_outputs.json",
+    ),
+    "structured_outputs.json nested past Python's recursion limit": (
+        {"structured_outputs": {"json": "[" * 100_000 + "]" * 100_000}},
+        "structured_outputs.json",
+    ),
     "empty cache_salt": ({"cache_salt": ""}, "cache_salt"),
     # vLLM's fields the router does not implement: refused, never accepted and dropped.
     "truncate_prompt_tokens": ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),

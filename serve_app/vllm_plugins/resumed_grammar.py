@@ -1,0 +1,110 @@
+"""Structured output across a recompute: a resumed attempt's grammar goes on from the earlier output.
+
+A request with a grammar (``response_format``, ``structured_outputs``) gets a grammar matcher in
+the engine core, compiled when the request arrives (``StructuredOutputManager._create_grammar``)
+and advanced by each token the request samples. A resumed attempt's prompt ends with the output
+of the request's earlier attempts (``wire.sampling.RESUMED_OUTPUT_TOKENS`` says how many tokens),
+which vLLM takes for prompt: its matcher would start at the grammar's beginning, and the response
+would be the earlier output followed by a second document, not one that matches the grammar.
+
+``install`` is a vLLM general plugin (pyproject's ``vllm.general_plugins`` entry point) that acts
+in the engine core, where the scheduler and its structured-output manager live (the ``EngineCore``
+process, or the engine's own process where vLLM runs it in-process). It advances a resumed
+attempt's freshly compiled matcher by the earlier output, through the backend's own
+``accept_tokens``, so the attempt samples under the state one uninterrupted run would have
+reached. It is backend-neutral (xgrammar, guidance, outlines, lm-format-enforcer) and has no switch:
+it reads only the router's mark, which clients cannot send (``router.parsing.RESERVED_EXTRA_ARGS``).
+Ascend engines load it too (vllm-ascend keeps vLLM's scheduler side).
+
+With a reasoning parser in the engine (``structured_outputs_config.reasoning_parser``), the
+earlier output may hold reasoning the grammar never saw, and where it ends is the parser's
+business: the plugin stands aside and the resumed attempt's grammar starts over (README, Limits).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from serve_app.runtime.private_symbols import unchanged
+from serve_app.wire.sampling import resumed_output_tokens
+
+logger = logging.getLogger("pd_serve.engine")
+
+_MANAGER = "vllm.v1.structured_output.StructuredOutputManager"
+SYMBOLS = (
+    f"{_MANAGER}._create_grammar",
+    f"{_MANAGER}.reasoner_cls",
+    "vllm.v1.structured_output.backend_types.StructuredOutputGrammar.accept_tokens",
+)
+
+
+def in_engine_core() -> bool:
+    """The process that runs vLLM's scheduler: the EngineCore process, or a process that runs its
+    engine in-process."""
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    return in_process or multiprocessing.current_process().name.startswith("EngineCore")
+
+
+def install() -> None:
+    if not in_engine_core():
+        return
+    try:
+        from vllm.v1.structured_output import StructuredOutputManager
+    except ImportError:  # a vLLM without the V1 engine: nothing to do
+        return
+    if getattr(StructuredOutputManager._create_grammar, "_pd_serve_resumed_grammar", False):
+        return
+    if not unchanged(SYMBOLS, logger, "structured output that goes on across a recompute"):
+        return
+    StructuredOutputManager._create_grammar = advancing_by_earlier_output(StructuredOutputManager._create_grammar)
+
+
+def earlier_output(request: Any) -> list[int]:
+    """A resumed attempt's earlier output: the last tokens of its prompt the router marked. Never
+    raises (this runs in the engine core); a malformed mark counts as none."""
+    params = request.sampling_params
+    if params is None:
+        return []
+    try:
+        count = resumed_output_tokens(params)
+    except ValueError:
+        logger.warning("structured output: request %s's malformed resumed-attempt mark was ignored", request.request_id)
+        return []
+    prompt: Sequence[int] = request.prompt_token_ids or ()
+    if not count or count > len(prompt):
+        return []
+    return list(prompt[len(prompt) - count :])
+
+
+def advancing_by_earlier_output(create_grammar: Any) -> Any:
+    """``StructuredOutputManager._create_grammar``, then the new matcher advanced by a resumed
+    attempt's earlier output."""
+
+    def _create_grammar(self: Any, request: Any) -> Any:
+        grammar = create_grammar(self, request)
+        earlier = earlier_output(request)
+        if not earlier:
+            return grammar
+        if self.reasoner_cls is not None and not getattr(self, "enable_in_reasoning", False):
+            logger.warning(
+                "structured output: request %s resumes with a grammar that starts over (a reasoning parser is configured)",
+                request.request_id,
+            )
+            return grammar
+        # Raising here would end the engine core on vLLM 0.23 (its scheduler reads the compiled
+        # grammar's future unguarded). The earlier tokens were sampled under this grammar, so a
+        # refusal means a bug: the backend logs the token, and this names the request.
+        if not grammar.accept_tokens(request.request_id, earlier):
+            logger.error(
+                "structured output: request %s's grammar refused its %d earlier output tokens; it goes on from where it stopped",
+                request.request_id,
+                len(earlier),
+            )
+        return grammar
+
+    _create_grammar._pd_serve_resumed_grammar = True  # type: ignore[attr-defined]
+    return _create_grammar
