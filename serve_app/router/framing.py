@@ -15,6 +15,7 @@ from typing import Any
 
 from serve_app.router.parsing import ParsedRequest
 from serve_app.router.recompute import Emission
+from serve_app.router.tools import ForcedCall, RequiredCalls, RequiredCallsStream, required_tool_calls
 from serve_app.wire.protocol import TokenLogprob
 
 TokenText = Callable[[int], str]
@@ -36,6 +37,8 @@ class ResponseFramer:
         self._role_sent = False
         self._text_offset = 0
         self._prompt_ids_sent = False
+        self._call_opened = False  # a named tool choice's call: its first delta sent
+        self._required: RequiredCallsStream | None = None  # a required tool choice's calls so far
 
     def _prompt_ids_once(self) -> list[int] | None:
         """The prompt's token ids for the stream's first chunk (``return_token_ids``, as vLLM's
@@ -57,12 +60,12 @@ class ResponseFramer:
                 self._role_sent = True
                 out.append(self._chat_chunk({"role": "assistant", "content": ""}, None, None, None))
             if visible:
-                delta = {"content": emission.text} if emission.text or not emission.finish_reason else {}
+                delta = self._chat_delta(emission)
                 out.append(
                     self._chat_chunk(
                         delta,
                         self._chat_logprobs(emission.logprobs),
-                        emission.finish_reason,
+                        self._finish_reason(emission.finish_reason),
                         emission.stop_reason,
                         emission.token_ids,
                     )
@@ -70,6 +73,31 @@ class ResponseFramer:
         elif visible:
             out.append(self._completion_chunk(emission))
         return out
+
+    def _chat_delta(self, emission: Emission) -> dict[str, Any]:
+        """Text as ``content``, or as tool calls (router/tools.py), as vLLM's server streams them:
+        a named call's id, type and name in the first delta that carries any arguments; each call
+        of a required choice whole, once its JSON object is complete."""
+        choice = self.request.tool_choice
+        if choice is None:
+            return {"content": emission.text} if emission.text or not emission.finish_reason else {}
+        if isinstance(choice, RequiredCalls):
+            self._required = self._required or RequiredCallsStream()
+            calls = self._required.feed(emission.text)
+            return {"tool_calls": calls} if calls else {}
+        if not emission.text:
+            return {}
+        function: dict[str, Any] = {"arguments": emission.text}
+        tool_call: dict[str, Any] = {"index": 0, "function": function}
+        if not self._call_opened:
+            self._call_opened = True
+            function["name"] = choice.name
+            tool_call.update(id=choice.call_id, type="function")
+        return {"tool_calls": [tool_call]}
+
+    def _finish_reason(self, finish_reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" where a required choice's calls ended as they should."""
+        return "tool_calls" if finish_reason == "stop" and isinstance(self.request.tool_choice, RequiredCalls) else finish_reason
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
@@ -153,14 +181,13 @@ class ResponseFramer:
             from vllm.entrypoints.openai.chat_completion.protocol import (
                 ChatCompletionResponse,
                 ChatCompletionResponseChoice,
-                ChatMessage,
             )
 
             choice = ChatCompletionResponseChoice(
                 index=0,
-                message=ChatMessage(role="assistant", content=text),
+                message=self._chat_message(text),
                 logprobs=self._chat_logprobs(logprobs),
-                finish_reason=finish_reason,
+                finish_reason=self._finish_reason(finish_reason),
                 stop_reason=stop_reason,
                 token_ids=ids,
             )
@@ -193,6 +220,19 @@ class ResponseFramer:
                 usage=use,
             )
         return _dump(response, keep_choice_keys=("finish_reason", "stop_reason", "logprobs"))
+
+    def _chat_message(self, text: str) -> Any:
+        """The reply: text, or tool calls (content "", as vLLM's server)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
+
+        choice = self.request.tool_choice
+        if isinstance(choice, ForcedCall):
+            call = {"id": choice.call_id, "type": "function", "function": {"name": choice.name, "arguments": text}}
+            return ChatMessage(role="assistant", content="", tool_calls=[call])
+        if isinstance(choice, RequiredCalls):
+            calls = [{k: v for k, v in call.items() if k != "index"} for call in required_tool_calls(text)]
+            return ChatMessage(role="assistant", content="", tool_calls=calls)
+        return ChatMessage(role="assistant", content=text)
 
     # ------------------------------------------------------------------ logprobs
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None) -> Any:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from serve_app.router.errors import OpenAIError, bad_request
 from serve_app.router.text import PromptEncoder
+from serve_app.router.tools import ToolChoice, template_tool_calls, template_tools, tool_choice_of
 from serve_app.runtime.private_symbols import unchanged
 from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS
 
@@ -113,6 +114,8 @@ class ParsedRequest:
     # vLLM's cache_salt (validated by its protocol: a non-empty string): every engine request of
     # every attempt carries it, and the router's prefix keys start from it.
     cache_salt: str | None = None
+    # A chat request's named or required tool_choice: the output is tool calls (router/tools.py).
+    tool_choice: ToolChoice | None = None
 
 
 def _longest_token_chars(tokenizer: Any) -> int:
@@ -204,6 +207,10 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
 
     request = _validate(route, body)
     _reject_unsupported(route, request, ctx)
+    tool_choice = tool_choice_of(request) if route == "chat" else None
+    if tool_choice is not None and (request.structured_outputs is not None or request.response_format is not None):
+        param = "response_format" if request.response_format is not None else "structured_outputs"
+        raise bad_request(f"This tool_choice constrains the reply to tool calls; {param} cannot be added", param=param)
 
     if route == "chat":
         prompt_token_ids = _chat_prompt_ids(request, ctx)
@@ -228,6 +235,10 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     except _client_errors() as exc:
         raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
 
+    if tool_choice is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        params.structured_outputs = StructuredOutputsParams(json=tool_choice.schema)
     stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
     from vllm.sampling_params import RequestOutputKind
 
@@ -259,6 +270,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         logprobs=logprobs,
         return_token_ids=bool(request.return_token_ids),
         cache_salt=request.cache_salt,
+        tool_choice=tool_choice,
     )
 
 
@@ -454,8 +466,6 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
         if request.prompt_embeds is not None:
             refuse("prompt_embeds", "prompt_embeds")
     else:
-        if request.tools:
-            refuse("tools", "Tool calling")
         if request.documents is not None:
             refuse("documents", "documents (retrieval documents for the chat template)")
         _check_template_kwargs(request, ctx)
@@ -492,11 +502,6 @@ def _completion_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
     return ids
 
 
-# Fields of a tool-calling conversation: refused with tool calling itself, never dropped (the
-# turn would render as something else).
-MESSAGE_TOOL_FIELDS = ("tool_calls", "tool_call_id")
-
-
 def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
     conversation = []
     for i, message in enumerate(request.messages):
@@ -505,9 +510,16 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
         if not isinstance(role, str):
             raise bad_request(f"messages[{i}].role must be a string", param=f"messages.{i}.role")
         turn = {"role": role, "content": _text_content(content, i)}
-        for name in MESSAGE_TOOL_FIELDS:
-            if field_of(name):
-                raise bad_request(f"messages[{i}].{name}: tool calling is not supported by this server", param=f"messages.{i}.{name}")
+        calls = field_of("tool_calls")
+        if calls and role == "assistant":
+            turn["tool_calls"] = template_tool_calls(calls, i)
+        elif calls:
+            raise bad_request(f"messages[{i}].tool_calls: only an assistant turn makes tool calls", param=f"messages.{i}.tool_calls")
+        call_id = field_of("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad_request(f"messages[{i}].tool_call_id must be a string", param=f"messages.{i}.tool_call_id")
+        if call_id is not None:
+            turn["tool_call_id"] = call_id
         # What templates read besides role and content, as vLLM's server passes it on: the
         # speaker's name, and an assistant turn's reasoning (under both names templates use).
         speaker = field_of("name")
@@ -533,6 +545,7 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
+                tools=template_tools(request),
                 **kwargs,
             )
     except TemplateTimeout:

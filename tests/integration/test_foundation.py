@@ -122,6 +122,66 @@ def test_chat_stream_and_non_stream(app, client, tokenizer):
     wait_idle(app)
 
 
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
+]
+
+
+def test_a_named_tool_call_through_the_openai_client(app, client):
+    """``tool_choice`` naming a function: the reply is a call of it whose arguments the engine's
+    grammar held to the function's schema, streamed as vLLM's server streams it."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    request = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_completion_tokens": 300, "temperature": 0}
+    full = client.chat.completions.create(**request)
+    message = full.choices[0].message
+    assert full.choices[0].finish_reason == "stop" and not message.content
+    (call,) = message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.type == "function" and call.id
+    assert set(arguments) == {"city", "days"} and len(arguments["city"]) <= 12 and 1 <= arguments["days"] <= 14
+
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    calls = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert calls[0].function.name == "get_weather" and calls[0].id and all(c.index == 0 for c in calls)
+    assert "".join(c.function.arguments for c in calls) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_idle(app)
+
+
+def test_a_required_tool_call_through_the_openai_client(app, client):
+    """``tool_choice: "required"``: the engine's grammar holds the output to an array of calls of
+    the tools (one, with ``parallel_tool_calls: false``); the reply is that call, whole in one
+    delta when streamed, ``finish_reason`` "tool_calls"."""
+    request = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_completion_tokens": 300,
+        "temperature": 0,
+    }
+    full = client.chat.completions.create(**request)
+    assert full.choices[0].finish_reason == "tool_calls" and not full.choices[0].message.content
+    (call,) = full.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name in {"get_weather", "now"} and call.id
+    assert set(arguments) == ({"city", "days"} if call.function.name == "get_weather" else set())
+
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    (streamed,) = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert (streamed.function.name, streamed.function.arguments, streamed.index) == (call.function.name, call.function.arguments, 0)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    wait_idle(app)
+
+
 def test_handle_api_matches_http(app, client):
     request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     http = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})

@@ -86,7 +86,8 @@ def test_structured_output_reaches_the_engines_as_vllm_builds_it(ctx):
         ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("completions", {"prompt": ["a", "b"]}, "prompt"),
         ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
-        ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tool_choice"),  # tool_choice "auto", the default with tools: no tool-call parser here
         ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, "messages"),
         ("completions", {"prompt": "x", "n": 2}, "n"),
         ("completions", {"prompt": ""}, "prompt"),
@@ -183,8 +184,8 @@ def test_token_ids_a_request_names_in_the_vocabulary_are_accepted_on_every_vllm(
 
 def test_chat_template_inputs_are_passed_on_or_refused_never_dropped(tiny_tokenizer):
     """A message's name and reasoning, and the request's reasoning_effort (with enable_thinking
-    unless the client set it), reach the template as on vLLM's server; a tool-calling turn is a
-    400, not a turn rendered without its calls."""
+    unless the client set it), and a tool-calling turn's calls and results, reach the template as
+    on vLLM's server."""
     from unittest import mock
 
     from serve_app.router.errors import OpenAIError
@@ -210,9 +211,16 @@ def test_chat_template_inputs_are_passed_on_or_refused_never_dropped(tiny_tokeni
         assert render.call_args[0][0][0]["reasoning"] == ""  # passed on, as vLLM does
         parse_request("chat", {"messages": messages}, ctx)
         assert "reasoning_effort" not in render.call_args[1] and "enable_thinking" not in render.call_args[1]
-    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    for turn, param in (({"role": "assistant", "content": None, "tool_calls": calls}, "messages.0.tool_calls"),
-                        ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages.0.tool_call_id")):  # fmt: skip
-        with pytest.raises(OpenAIError) as refused:
-            parse_request("chat", {"messages": [turn, {"role": "user", "content": "ok"}]}, ctx)
-        assert refused.value.status == 400 and refused.value.param == param
+        # A tool-calling turn reaches the template with its calls (arguments as an object, as
+        # vLLM's server passes them) and the tool's answer with its call's id.
+        calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+        turns = [{"role": "assistant", "content": None, "tool_calls": calls}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+        parse_request("chat", {"messages": turns}, ctx)
+        rendered = render.call_args[0][0]
+        assert rendered[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}} and rendered[1]["tool_call_id"] == "c1"
+    with pytest.raises(OpenAIError) as refused:
+        parse_request("chat", {"messages": [{"role": "user", "content": "ok", "tool_calls": calls}]}, ctx)
+    assert refused.value.status == 400 and refused.value.param == "messages.0.tool_calls"
+    with pytest.raises(OpenAIError) as refused:  # vLLM's own message models refuse it first
+        parse_request("chat", {"messages": [{"role": "tool", "content": "42", "tool_call_id": 7}]}, ctx)
+    assert refused.value.status == 400 and "tool_call_id" in refused.value.message

@@ -1,0 +1,195 @@
+"""Tool calling the router serves without a model-specific parser: a named or a required call.
+
+Both constrain the whole output with a JSON schema (structured output, which goes on across a
+recompute: vllm_plugins/resumed_grammar.py), so the tool calls are read from JSON the grammar
+guarantees rather than from the model's own tool-call format. That is what vLLM's server does for
+these two choices too, with the same schemas, and the client sees the same response:
+
+* ``tool_choice: {"type": "function", "function": {"name": ...}}``: the output is that function's
+  arguments (its parameter schema is the grammar); the reply is one call, ``finish_reason``
+  "stop" (OpenAI's for a named call).
+* ``tool_choice: "required"``: the output is a JSON array of ``{"name", "parameters"}`` objects,
+  one per call, each naming one of ``tools`` and holding to its schema (one call only with
+  ``parallel_tool_calls: false``); the reply is those calls, ``finish_reason`` "tool_calls".
+
+``"auto"`` (the default when ``tools`` are sent) needs the model's own tool-call format parsed out
+of free text, which vLLM does with a parser named per model (``--tool-call-parser``): refused,
+saying so. ``"none"`` renders the tools into the prompt (as vLLM does) and answers in text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve_app.router.errors import bad_request
+
+AUTO_REFUSED = (
+    'tool_choice "auto" needs the model\'s tool-call format parsed out of its text, which this server '
+    'does not do: name the function to call (tool_choice: {"type": "function", "function": {"name": '
+    '...}}), or send tool_choice "required" or "none"'
+)
+
+
+def no_parameters() -> dict[str, Any]:
+    """Where a function declares no parameters: an object (vLLM's choice), never free text."""
+    return {"type": "object", "properties": {}}
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class ForcedCall:
+    """A named tool choice: the output is this one call's arguments; its id is fixed for the
+    whole response (every attempt, every chunk)."""
+
+    name: str
+    schema: dict[str, Any]
+    call_id: str = field(default_factory=new_call_id)
+
+
+@dataclass(frozen=True)
+class RequiredCalls:
+    """``tool_choice: "required"``: the output is a JSON array of calls."""
+
+    schema: dict[str, Any]
+
+
+ToolChoice = ForcedCall | RequiredCalls
+
+
+def tool_choice_of(request: Any) -> ToolChoice | None:
+    """What a chat request's ``tool_choice`` asks of the output (None: text). vLLM's request model
+    has already checked the choice's shape and that a named function is among ``tools``."""
+    choice = request.tool_choice
+    if not request.tools or choice is None or choice == "none":
+        return None
+    if choice == "required":
+        return RequiredCalls(schema=required_calls_schema(request.tools, single=request.parallel_tool_calls is False))
+    if isinstance(choice, str):
+        raise bad_request(AUTO_REFUSED, param="tool_choice")
+    name = choice.function.name
+    tool = next((t for t in request.tools if t.function.name == name), None)
+    if tool is None:  # vLLM's validator refuses it first; never constrain by another tool's schema
+        raise bad_request(f"Tool '{name}' has not been passed in `tools`", param="tool_choice")
+    return ForcedCall(name=name, schema=tool.function.parameters or no_parameters())
+
+
+def required_calls_schema(tools: list[Any], single: bool) -> dict[str, Any]:
+    """An array of at least one ``{"name", "parameters"}`` object, each one of the tools with its
+    own parameter schema. A tool's ``$defs`` move to the top (a ``$ref`` names them from the
+    root); two tools that define one name differently are a 400, as on vLLM's server."""
+    variants, defs = [], {}
+    for tool in tools:
+        parameters = dict(tool.function.parameters or no_parameters())
+        own_defs = parameters.pop("$defs", None) or {}
+        if not isinstance(own_defs, dict):
+            raise bad_request(f"`$defs` in the parameters of tool '{tool.function.name}' must be an object", param="tools")
+        for name, schema in own_defs.items():
+            if defs.setdefault(name, schema) != schema:
+                raise bad_request(f"Tool definition '{name}' has multiple schemas, which is not supported", param="tools")
+        variants.append(
+            {
+                "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    if single:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def required_tool_call(item: Any, index: int) -> dict[str, Any]:
+    """One element of a required choice's array as an OpenAI tool call (arguments as vLLM's
+    server writes them)."""
+    arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
+    return {"index": index, "id": new_call_id(), "type": "function", "function": {"name": item.get("name"), "arguments": arguments}}
+
+
+def required_tool_calls(text: str) -> list[dict[str, Any]]:
+    """A whole required choice's output as tool calls; none when it is not a complete array (the
+    output ran out of tokens first: as on vLLM's server, the reply then has neither calls nor
+    text, and ``finish_reason`` "length" says why)."""
+    try:
+        items = json.loads(text)
+    except (ValueError, RecursionError):
+        return []
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        return []
+    return [required_tool_call(item, i) for i, item in enumerate(items)]
+
+
+class RequiredCallsStream:
+    """A required choice's output as it streams: each call once its JSON object is complete."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._pos = 0  # where the next array element (or separator) starts
+        self._opened = False
+        self._calls = 0
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self._text += delta
+        if not self._opened or "}" in delta:  # an element ends only with a '}'
+            return list(self._complete_calls())
+        return []
+
+    def _complete_calls(self) -> Any:
+        text = self._text
+        while True:
+            i = len(text) - len(text[self._pos :].lstrip())
+            if i >= len(text):
+                return
+            if not self._opened:
+                if text[i] != "[":
+                    return
+                self._opened, self._pos = True, i + 1
+                continue
+            if text[i] in ",]":
+                self._pos = i + 1
+                continue
+            try:
+                item, self._pos = self._decoder.raw_decode(text, i)
+            except (ValueError, RecursionError):
+                return  # not complete yet
+            if isinstance(item, dict):
+                yield required_tool_call(item, self._calls)
+                self._calls += 1
+
+
+def template_tools(request: Any) -> list[dict[str, Any]] | None:
+    """The tools as chat templates read them (vLLM's server passes the same dicts)."""
+    return [tool.model_dump() for tool in request.tools] if request.tools else None
+
+
+def template_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant turn's ``tool_calls`` as templates read them: each call's ``arguments``, a
+    JSON string over the API, as an object (as vLLM's server passes them; a string that is not
+    a JSON object becomes an empty one, so one bad turn in a conversation's history does not
+    fail every later request)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be a list", param=f"messages.{i}.tool_calls")
+    out = []
+    for j, call in enumerate(calls):
+        call = call.model_dump() if hasattr(call, "model_dump") else call
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function" or not isinstance(function.get("name"), str):
+            raise bad_request(
+                f"messages[{i}].tool_calls[{j}] must be a function call with a name", param=f"messages.{i}.tool_calls.{j}"
+            )
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments else {}
+            except (ValueError, RecursionError):
+                arguments = {}
+        out.append({**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}})
+    return out

@@ -1,0 +1,175 @@
+"""Named and required tool calls (router/tools.py): parsing with vLLM's request models and the
+tiny tokenizer, and the response framing through the whole router on mock engines
+(tests/support/inprocess.py). test_foundation.py runs both on real engines, where the grammar
+constrains the output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serve_app.router.errors import OpenAIError
+from serve_app.router.parsing import ModelContext, parse_request
+from serve_app.router.tools import RequiredCalls, RequiredCallsStream, no_parameters, required_tool_calls
+from tests.support.inprocess import App, args, body_of, run
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now"}},
+]
+MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+@pytest.fixture
+def ctx(tiny_tokenizer):
+    return ModelContext(name="tiny-llama", aliases=frozenset(), max_model_len=512, vocab_size=1024, tokenizer=tiny_tokenizer)
+
+
+def refused(ctx, body) -> OpenAIError:
+    with pytest.raises(OpenAIError) as err:
+        parse_request("chat", body, ctx)
+    assert err.value.status == 400
+    return err.value
+
+
+def test_a_named_function_constrains_the_reply_to_its_arguments(ctx):
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": named("get_weather")}, ctx)
+    assert parsed.tool_choice.name == "get_weather" and parsed.tool_choice.call_id.startswith("chatcmpl-tool-")
+    assert parsed.sampling_params.structured_outputs.json == WEATHER
+    # A function without parameters takes an object, never an unconstrained output.
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": named("now")}, ctx)
+    assert parsed.sampling_params.structured_outputs.json == no_parameters()
+    # "none": the tools reach the template, the reply is text.
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}, ctx)
+    assert parsed.tool_choice is None and parsed.sampling_params.structured_outputs is None
+
+
+def test_required_calls_are_an_array_of_the_tools_calls(ctx):
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}, ctx)
+    schema = parsed.sampling_params.structured_outputs.json
+    assert isinstance(parsed.tool_choice, RequiredCalls) and schema["type"] == "array" and schema["minItems"] == 1
+    variants = schema["items"]["anyOf"]
+    assert [v["properties"]["name"]["enum"] for v in variants] == [["get_weather"], ["now"]]
+    assert [v["properties"]["parameters"] for v in variants] == [WEATHER, no_parameters()] and "maxItems" not in schema
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    assert parse_request("chat", body, ctx).sampling_params.structured_outputs.json["maxItems"] == 1
+    # A tool's $defs move to the top, where its $refs point; two tools defining one name differently: a 400.
+    with_defs = {"type": "object", "properties": {"d": {"$ref": "#/$defs/D"}}, "$defs": {"D": {"type": "integer"}}}
+    other = {"type": "object", "properties": {}, "$defs": {"D": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "a", "parameters": with_defs}}]
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": tools, "tool_choice": "required"}, ctx)
+    schema = parsed.sampling_params.structured_outputs.json
+    assert schema["$defs"] == {"D": {"type": "integer"}} and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    tools.append({"type": "function", "function": {"name": "b", "parameters": other}})
+    assert refused(ctx, {"messages": MESSAGES, "tools": tools, "tool_choice": "required"}).param == "tools"
+
+
+def test_auto_needs_a_model_specific_parser_and_is_refused_saying_what_works(ctx):
+    for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
+        error = refused(ctx, {"messages": MESSAGES, **body})
+        assert error.param == "tool_choice" and "name the function" in error.message, body
+    assert refused(ctx, {"messages": MESSAGES, "tools": TOOLS, "tool_choice": named("missing")}).param.startswith("tool_choice")
+    assert refused(ctx, {"messages": MESSAGES, "tool_choice": named("now")}).param == "tool_choice"  # no tools
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": named("now"), "response_format": {"type": "json_object"}}
+    assert refused(ctx, body).param == "response_format"
+
+
+def test_a_required_choices_calls_stream_whole_as_each_object_completes():
+    text = '[ {"name": "get_weather", "parameters": {"city": "Oslo }", "days": {"n": 2}}} ,\n{"name":"now","parameters":{}}]'
+    whole = required_tool_calls(text)
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == [
+        (0, "get_weather", {"city": "Oslo }", "days": {"n": 2}}),
+        (1, "now", {}),
+    ]
+    for step in (1, 3, 7, len(text)):
+        stream = RequiredCallsStream()
+        calls = [c for i in range(0, len(text), step) for c in stream.feed(text[i : i + step])]
+        assert [(c["index"], c["function"]) for c in calls] == [(c["index"], c["function"]) for c in whole], step
+        assert len({c["id"] for c in calls}) == 2
+    # Cut short (out of tokens): no calls.
+    assert required_tool_calls(text[:-30]) == [] and required_tool_calls("{}") == []
+
+
+def test_tools_and_tool_turns_reach_the_template_as_vllm_passes_them(tiny_tokenizer):
+    template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} city={{ c.function.arguments.city }}]{% endfor %}"
+        "{% if m.tool_call_id %}[result of {{ m.tool_call_id }}]{% endif %}{% endfor %}"
+    )
+    ctx = ModelContext(name="tiny-llama", aliases=frozenset(), max_model_len=512, vocab_size=1024, tokenizer=tiny_tokenizer)
+    ctx.trust_request_chat_template = True
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "rain", "tool_call_id": "c1"},
+    ]
+    parsed = parse_request("chat", {"messages": messages, "tools": TOOLS, "tool_choice": "none", "chat_template": template}, ctx)
+    text = tiny_tokenizer.decode(parsed.prompt_token_ids, skip_special_tokens=True)
+    for part in ("[tool get_weather][tool now]", "[call c1 get_weather city=Oslo]", "<tool>rain[result of c1]"):
+        assert part in text.replace(" [", "["), text
+    # Arguments that are not a JSON object become an empty one (the history stays usable).
+    for bad in ("not json", "[1, 2]", "[" * 5000 + "]" * 5000):
+        broken = {**call, "function": {**call["function"], "arguments": bad}}
+        body = {"messages": MESSAGES + [{"role": "assistant", "content": "", "tool_calls": [broken]}], "chat_template": template}
+        assert "city=]" in tiny_tokenizer.decode(parse_request("chat", body, ctx).prompt_token_ids).replace(" ", "")
+    body = {"messages": [{"role": "user", "content": "x", "tool_calls": [call]}]}
+    assert refused(ctx, body).param == "messages.0.tool_calls"
+
+
+def test_the_reply_is_the_calls_arguments_streamed_or_not(tiny_tokenizer):
+    async def body(app: App) -> None:
+        plain = {"messages": MESSAGES, "max_tokens": 8}
+        status, text = await body_of(await app.service.http("chat", json.dumps(plain).encode()))
+        assert status == 200
+        content = text["choices"][0]["message"]["content"]
+        forced = {**plain, "tools": TOOLS, "tool_choice": named("get_weather")}
+        status, data = await body_of(await app.service.http("chat", json.dumps(forced).encode()))
+        assert status == 200, data
+        choice = data["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        # The mock engine ignores the grammar: the arguments are exactly the text it produced.
+        assert call["function"] == {"name": "get_weather", "arguments": content} and call["type"] == "function"
+        assert choice["message"]["content"] == "" and choice["finish_reason"] == "length"
+
+        status, events = await body_of(await app.service.http("chat", json.dumps({**forced, "stream": True}).encode()))
+        assert status == 200
+        deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e["choices"]]
+        assert deltas[0]["role"] == "assistant" and not deltas[0]["content"] and not deltas[0].get("tool_calls")
+        calls = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
+        assert calls[0]["function"]["name"] == "get_weather" and calls[0]["type"] == "function" and calls[0]["id"]
+        assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:])
+        assert "".join(c["function"]["arguments"] for c in calls) == content
+        assert not any(d.get("content") for d in deltas)
+
+    run(body, args(), tiny_tokenizer)
+
+
+def test_a_required_reply_cut_short_has_no_calls_and_no_text(tiny_tokenizer):
+    """The mock engine ignores the grammar, so its text is no array, as a reply that ran out of
+    tokens: neither calls nor text, as on vLLM's server, and finish_reason "length" says why.
+    test_foundation.py has real engines write the calls."""
+
+    async def body(app: App) -> None:
+        forced = {"messages": MESSAGES, "max_tokens": 8, "tools": TOOLS, "tool_choice": "required"}
+        status, data = await body_of(await app.service.http("chat", json.dumps(forced).encode()))
+        assert status == 200, data
+        choice = data["choices"][0]
+        # (vLLM 0.23's message model writes an empty tool_calls list, 0.32's none.)
+        assert {k: v for k, v in choice["message"].items() if v != []} == {"role": "assistant", "content": ""}
+        assert choice["finish_reason"] == "length"
+        status, events = await body_of(await app.service.http("chat", json.dumps({**forced, "stream": True}).encode()))
+        deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e["choices"]]
+        assert status == 200 and not any(d.get("tool_calls") or d.get("content") for d in deltas)
+
+    run(body, args(), tiny_tokenizer)
