@@ -61,11 +61,13 @@ class ResponseFramer:
                 out.append(self._chat_chunk({"role": "assistant", "content": ""}, None, None, None))
             if visible:
                 delta = self._chat_delta(emission)
+                if not delta and not emission.finish_reason and not self._carries_token_data(emission):
+                    return out  # a tool call still being written: nothing to show yet (as vLLM's server)
                 out.append(
                     self._chat_chunk(
                         delta,
                         self._chat_logprobs(emission.logprobs),
-                        self._finish_reason(emission.finish_reason),
+                        self._finish_reason(emission.finish_reason, self._required.calls if self._required else 0),
                         emission.stop_reason,
                         emission.token_ids,
                     )
@@ -75,9 +77,9 @@ class ResponseFramer:
         return out
 
     def _chat_delta(self, emission: Emission) -> dict[str, Any]:
-        """Text as ``content``, or as tool calls (router/tools.py), as vLLM's server streams them:
-        a named call's id, type and name in the first delta that carries any arguments; each call
-        of a required choice whole, once its JSON object is complete."""
+        """Text as ``content``, or as tool calls (router/tools.py): a named call's id, type and
+        name in the first delta that carries any arguments, as vLLM's server streams them; each
+        call of a required choice whole, once its JSON object is complete."""
         choice = self.request.tool_choice
         if choice is None:
             return {"content": emission.text} if emission.text or not emission.finish_reason else {}
@@ -95,9 +97,13 @@ class ResponseFramer:
             tool_call.update(id=choice.call_id, type="function")
         return {"tool_calls": [tool_call]}
 
-    def _finish_reason(self, finish_reason: str | None) -> str | None:
+    def _carries_token_data(self, emission: Emission) -> bool:
+        return bool(emission.token_ids and self.request.return_token_ids) or bool(emission.logprobs and self.request.logprobs is not None)
+
+    def _finish_reason(self, finish_reason: str | None, calls: int) -> str | None:
         """OpenAI's: "tool_calls" where a required choice's calls ended as they should."""
-        return "tool_calls" if finish_reason == "stop" and isinstance(self.request.tool_choice, RequiredCalls) else finish_reason
+        required = isinstance(self.request.tool_choice, RequiredCalls)
+        return "tool_calls" if finish_reason == "stop" and required and calls else finish_reason
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
@@ -183,11 +189,12 @@ class ResponseFramer:
                 ChatCompletionResponseChoice,
             )
 
+            message = self._chat_message(text)
             choice = ChatCompletionResponseChoice(
                 index=0,
-                message=self._chat_message(text),
+                message=message,
                 logprobs=self._chat_logprobs(logprobs),
-                finish_reason=self._finish_reason(finish_reason),
+                finish_reason=self._finish_reason(finish_reason, len(message.tool_calls or [])),
                 stop_reason=stop_reason,
                 token_ids=ids,
             )
@@ -226,9 +233,9 @@ class ResponseFramer:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
 
         choice = self.request.tool_choice
-        if isinstance(choice, ForcedCall):
+        if isinstance(choice, ForcedCall):  # no output, no call (as vLLM's server)
             call = {"id": choice.call_id, "type": "function", "function": {"name": choice.name, "arguments": text}}
-            return ChatMessage(role="assistant", content="", tool_calls=[call])
+            return ChatMessage(role="assistant", content="", tool_calls=[call] if text.strip() else [])
         if isinstance(choice, RequiredCalls):
             calls = [{k: v for k, v in call.items() if k != "index"} for call in required_tool_calls(text)]
             return ChatMessage(role="assistant", content="", tool_calls=calls)

@@ -61,6 +61,7 @@ UNTRUSTED_TEMPLATE = (
 # nothing else would ever stop one that loops without end.
 CLIENT_TEMPLATE_TIMEOUT_S = 2.0
 MAX_NESTING = 64  # deeper than any OpenAI request; a bound so checks never recurse unboundedly
+STRUCTURAL_TAG_WRAPPERS = 16  # the levels vLLM allows a structural tag beyond a schema's
 # Numbers the engines' msgpack encoding carries (vLLM's own engine protocol has the same range).
 INT_RANGE = (-(2**63), 2**64 - 1)
 
@@ -386,10 +387,10 @@ def _check_grammar_nesting(params: Any) -> None:
     """A JSON schema or structural tag sent as a string escapes the body's nesting bound, and
     converting one to a grammar costs steeply more with depth (xgrammar: 45 s of an engine
     replica's event loop for 1,000 levels, in a 30 KB body). vLLM 0.32 bounds it when the engine
-    admits the request, vLLM 0.23 (Ascend) does not: the router bounds it, at the body's 64 levels
-    (vLLM's own bound)."""
+    admits the request, vLLM 0.23 (Ascend) does not: the router bounds it as vLLM 0.32 does, a
+    schema at the body's 64 levels, a structural tag 16 deeper (room for its tag wrappers)."""
     spec = params.structured_outputs
-    for name in ("json", "structural_tag"):
+    for name, limit in (("json", MAX_NESTING), ("structural_tag", MAX_NESTING + STRUCTURAL_TAG_WRAPPERS)):
         value = getattr(spec, name, None) if spec is not None else None
         if not isinstance(value, str):
             continue
@@ -397,11 +398,11 @@ def _check_grammar_nesting(params: Any) -> None:
         try:
             parsed = json.loads(value)
         except RecursionError:
-            raise bad_request(f"{param} is nested more deeply than {MAX_NESTING} levels", param=param) from None
+            raise bad_request(f"{param} is nested more deeply than {limit} levels", param=param) from None
         except ValueError:
             continue  # not JSON: vLLM refuses it, at no cost
-        if _nesting_exceeds(parsed, MAX_NESTING):
-            raise bad_request(f"{param} is nested more deeply than {MAX_NESTING} levels", param=param)
+        if _nesting_exceeds(parsed, limit):
+            raise bad_request(f"{param} is nested more deeply than {limit} levels", param=param)
 
 
 def _nesting_exceeds(value: Any, limit: int) -> bool:

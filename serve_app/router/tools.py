@@ -3,7 +3,9 @@
 Both constrain the whole output with a JSON schema (structured output, which goes on across a
 recompute: vllm_plugins/resumed_grammar.py), so the tool calls are read from JSON the grammar
 guarantees rather than from the model's own tool-call format. That is what vLLM's server does for
-these two choices too, with the same schemas, and the client sees the same response:
+these two choices too, with the same schemas, and the client sees the same response (except that
+a required choice streams each call whole, once its object is complete, where vLLM's server
+streams its arguments in pieces; clients assemble both alike):
 
 * ``tool_choice: {"type": "function", "function": {"name": ...}}``: the output is that function's
   arguments (its parameter schema is the grammar); the reply is one call, ``finish_reason``
@@ -20,11 +22,14 @@ saying so. ``"none"`` renders the tools into the prompt (as vLLM does) and answe
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.router.errors import bad_request
+
+logger = logging.getLogger("pd_serve.router")
 
 AUTO_REFUSED = (
     'tool_choice "auto" needs the model\'s tool-call format parsed out of its text, which this server '
@@ -106,10 +111,16 @@ def required_calls_schema(tools: list[Any], single: bool) -> dict[str, Any]:
     return schema
 
 
-def required_tool_call(item: Any, index: int) -> dict[str, Any]:
-    """One element of a required choice's array as an OpenAI tool call (arguments as vLLM's
-    server writes them)."""
-    arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
+def required_tool_call(element: Any, index: int) -> dict[str, Any] | None:
+    """One element of a required choice's array (parsed, or its JSON text) as an OpenAI tool call,
+    arguments as vLLM's server writes them; None for one JSON cannot take (nested past Python's
+    recursion limit, which a client's own schema may allow)."""
+    try:
+        item = json.loads(element) if isinstance(element, str) else element
+        arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
+    except (ValueError, RecursionError, AttributeError):
+        logger.warning("a required tool call's JSON could not be read or written; it was left out")
+        return None
     return {"index": index, "id": new_call_id(), "type": "function", "function": {"name": item.get("name"), "arguments": arguments}}
 
 
@@ -123,46 +134,58 @@ def required_tool_calls(text: str) -> list[dict[str, Any]]:
         return []
     if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
         return []
-    return [required_tool_call(item, i) for i, item in enumerate(items)]
+    calls = (required_tool_call(item, i) for i, item in enumerate(items))
+    return [call for call in calls if call is not None]
 
 
 class RequiredCallsStream:
-    """A required choice's output as it streams: each call once its JSON object is complete."""
+    """A required choice's output as it streams: each call once its JSON object is complete.
+
+    One pass over the text, keeping only the element being read: an array element (an object the
+    grammar guarantees) ends where its braces balance outside strings, and only then is it
+    parsed, once. Re-parsing the text so far at every delta would cost quadratic time on the
+    router's event loop, which every stream of the replica shares."""
 
     def __init__(self) -> None:
-        self._text = ""
-        self._pos = 0  # where the next array element (or separator) starts
-        self._opened = False
-        self._calls = 0
-        self._decoder = json.JSONDecoder()
+        self._opened = False  # past the array's '['
+        self._depth = 0  # of the element being read (0: between elements)
+        self._in_string = False
+        self._escaped = False
+        self._element: list[str] = []  # its text so far
+        self.calls = 0
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
-        self._text += delta
-        if not self._opened or "}" in delta:  # an element ends only with a '}'
-            return list(self._complete_calls())
-        return []
-
-    def _complete_calls(self) -> Any:
-        text = self._text
-        while True:
-            i = len(text) - len(text[self._pos :].lstrip())
-            if i >= len(text):
-                return
+        out = []
+        start = 0  # where the element being read starts in this delta
+        for i, ch in enumerate(delta):
             if not self._opened:
-                if text[i] != "[":
-                    return
-                self._opened, self._pos = True, i + 1
-                continue
-            if text[i] in ",]":
-                self._pos = i + 1
-                continue
-            try:
-                item, self._pos = self._decoder.raw_decode(text, i)
-            except (ValueError, RecursionError):
-                return  # not complete yet
-            if isinstance(item, dict):
-                yield required_tool_call(item, self._calls)
-                self._calls += 1
+                self._opened = ch == "["
+            elif self._depth == 0:  # whitespace, ',' and ']' between elements
+                if ch == "{":
+                    self._depth, start = 1, i
+            elif self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._element.append(delta[start : i + 1])
+                    call = required_tool_call("".join(self._element), self.calls)
+                    self._element = []
+                    if call is not None:
+                        out.append(call)
+                        self.calls += 1
+        if self._depth > 0:
+            self._element.append(delta[start:])
+        return out
 
 
 def template_tools(request: Any) -> list[dict[str, Any]] | None:

@@ -364,6 +364,15 @@ _ENTRIES: tuple[Symbol, ...] = (
         BOTH,
         params=("(self, request_id, tokens)",),
     ),
+    Symbol(
+        "vllm.v1.structured_output.backend_types",
+        "StructuredOutputGrammar.is_terminated",
+        "vllm",
+        READ,
+        "serve_app/vllm_plugins/resumed_grammar.py",
+        BOTH,
+        params=("(self)",),
+    ),
     # vllm_plugins/gloo_device.py
     Symbol(
         _C10D,

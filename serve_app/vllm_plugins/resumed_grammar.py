@@ -39,6 +39,7 @@ SYMBOLS = (
     f"{_MANAGER}._create_grammar",
     f"{_MANAGER}.reasoner_cls",
     "vllm.v1.structured_output.backend_types.StructuredOutputGrammar.accept_tokens",
+    "vllm.v1.structured_output.backend_types.StructuredOutputGrammar.is_terminated",
 )
 
 
@@ -96,14 +97,23 @@ def advancing_by_earlier_output(create_grammar: Any) -> Any:
             )
             return grammar
         # Raising here would end the engine core on vLLM 0.23 (its scheduler reads the compiled
-        # grammar's future unguarded). The earlier tokens were sampled under this grammar, so a
-        # refusal means a bug: the backend logs the token, and this names the request.
-        if not grammar.accept_tokens(request.request_id, earlier):
-            logger.error(
-                "structured output: request %s's grammar refused its %d earlier output tokens; it goes on from where it stopped",
-                request.request_id,
-                len(earlier),
-            )
+        # grammar's future unguarded), so nothing does. The earlier tokens were sampled under this
+        # grammar, one by one, and so are they taken: once it has ended (``ignore_eos`` samples on
+        # past its end), the rest is not the grammar's, as in the uninterrupted run.
+        try:
+            for taken, token in enumerate(earlier):
+                if grammar.is_terminated():
+                    break
+                if not grammar.accept_tokens(request.request_id, [token]):
+                    logger.warning(
+                        "structured output: request %s's grammar refused earlier output token %d of %d; it goes on from there",
+                        request.request_id,
+                        taken,
+                        len(earlier),
+                    )
+                    break
+        except Exception:
+            logger.exception("structured output: request %s's grammar failed on its earlier output", request.request_id)
         return grammar
 
     _create_grammar._pd_serve_resumed_grammar = True  # type: ignore[attr-defined]

@@ -252,6 +252,7 @@ def test_structured_output_goes_on_where_the_earlier_attempt_left_off(app, basel
     want = call(baseline_app, "completions", body)
     assert want["finish"] == "stop" and re.fullmatch(regex, tiny_tokenizer.decode(want["tokens"], skip_special_tokens=True))
     got = resumed_under_pressure(app, body, first_seed=120)
+    assert got["first_attempt_tokens"] > 0, "the first attempt gave no output: nothing for the grammar to go on from"
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["finish"] == "stop"
     wait_idle(app)
 

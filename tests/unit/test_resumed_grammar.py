@@ -110,7 +110,27 @@ def test_earlier_output_the_grammar_refuses_is_logged_not_raised(backend, output
     closing_brace = output[-1]
     grammar = create(Manager(backend), request(PROMPT + [closing_brace], mark=1))
     assert grammar is not None
-    assert "r-1's grammar refused its 1 earlier output tokens" in caplog.text
+    assert "r-1's grammar refused earlier output token 0 of 1" in caplog.text
+
+
+def test_a_grammar_that_fails_on_the_earlier_output_is_logged_not_raised(backend, output, caplog):
+    class Failing(Manager):
+        def _create_grammar(self, request):
+            grammar = super()._create_grammar(request)
+            grammar.accept_tokens = lambda *args: 1 / 0
+            return grammar
+
+    grammar = advancing_by_earlier_output(Failing._create_grammar)(Failing(backend), request(PROMPT + output[:3], mark=3))
+    assert grammar is not None and "r-1's grammar failed on its earlier output" in caplog.text
+
+
+def test_earlier_output_past_the_grammars_end_is_no_bug(backend, output, caplog):
+    """Under ignore_eos a request samples on past its grammar's end; vLLM 0.23's matcher then
+    refuses more tokens, and the state is right: nothing to warn about."""
+    create = advancing_by_earlier_output(Manager._create_grammar)
+    eos = backend.tokenizer.eos_token_id
+    grammar = create(Manager(backend), request(PROMPT + output + [eos, output[0]], mark=len(output) + 2))
+    assert grammar.is_terminated() and "refused" not in caplog.text
 
 
 def test_with_a_reasoning_parser_the_plugin_stands_aside(backend, output, caplog):
@@ -134,6 +154,9 @@ def test_install_patches_only_in_the_engine_core_and_once(monkeypatch):
         assert StructuredOutputManager._create_grammar is original
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # ... unless vLLM runs the engine in-process
     assert in_engine_core()
+    install()
+    assert StructuredOutputManager._create_grammar is not original
+    monkeypatch.setattr(StructuredOutputManager, "_create_grammar", original)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
     monkeypatch.setattr(multiprocessing.current_process(), "name", "EngineCore_DP0")
     install()

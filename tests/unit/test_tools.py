@@ -85,17 +85,27 @@ def test_auto_needs_a_model_specific_parser_and_is_refused_saying_what_works(ctx
 
 
 def test_a_required_choices_calls_stream_whole_as_each_object_completes():
+    """In one pass over the output (a string's braces and escaped quotes are no structure),
+    whatever the chunking: 1, 2, 3 or 7 characters, or all at once."""
     text = '[ {"name": "get_weather", "parameters": {"city": "Oslo }", "days": {"n": 2}}} ,\n{"name":"now","parameters":{}}]'
     whole = required_tool_calls(text)
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == [
         (0, "get_weather", {"city": "Oslo }", "days": {"n": 2}}),
         (1, "now", {}),
     ]
-    for step in (1, 3, 7, len(text)):
+    for step in (1, 2, 3, 7, len(text)):
         stream = RequiredCallsStream()
         calls = [c for i in range(0, len(text), step) for c in stream.feed(text[i : i + step])]
         assert [(c["index"], c["function"]) for c in calls] == [(c["index"], c["function"]) for c in whole], step
         assert len({c["id"] for c in calls}) == 2
+    # Each call as soon as its object closes, not at the array's end.
+    first_end = text.index("}} ,") + 2
+    stream = RequiredCallsStream()
+    assert stream.feed(text[: first_end - 1]) == [] and len(stream.feed(text[first_end - 1 : first_end])) == 1
+    assert stream.feed(text[first_end:-2]) == [] and stream.feed(text[-2:])[0]["function"]["name"] == "now"
+    # A call JSON cannot take (arguments nested past Python's recursion limit) is left out, not raised.
+    deep = '[{"name": "now", "parameters": ' + "[" * 2000 + "]" * 2000 + "}]"
+    assert RequiredCallsStream().feed(deep) == [] and required_tool_calls(deep) == []
     # Cut short (out of tokens): no calls.
     assert required_tool_calls(text[:-30]) == [] and required_tool_calls("{}") == []
 
