@@ -73,6 +73,21 @@ def _warn_if_prefill_idle(config: Any) -> None:
         logger.warning("pd-serve config: %s", idle)
 
 
+def _check_tool_parser(config: Any) -> None:
+    """A tool-call parser vLLM does not have fails ``serve run`` here, not each router replica's
+    start (which loads it with the tokenizer and checks that they fit)."""
+    name = config.router.tool_call_parser
+    if not name or config.router.tool_parser_plugin:  # a plugin's parsers exist once it runs, on the router's node
+        return
+    from vllm.tool_parsers import ToolParserManager
+
+    known = ToolParserManager.list_registered()
+    if name not in known:
+        raise ConfigError(
+            f"invalid pd-serve config: router.tool_call_parser: vLLM has no tool parser named {name!r} (it has: {', '.join(known)})"
+        )
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The application of ``configs/serve.yaml`` (Serve calls app builders with the args alone)."""
     return build_app_with(args, Plugins())
@@ -87,6 +102,7 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
     from serve_app.router.deployment import Router
 
     config = load_config(args)
+    _check_tool_parser(config)
     _warn_if_cluster_is_short(config)
     _warn_if_prefill_idle(config)
     config_data = config.deployment_args()

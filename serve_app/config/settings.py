@@ -328,6 +328,27 @@ class RouterConfig(ScalingConfig):
             "as vLLM's --trust-request-chat-template: a template is code the router runs; off, they get a 400"
         ),
     )
+    tool_call_parser: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "vLLM's --tool-call-parser: the vLLM tool parser for the served model's tool-call format (e.g. hermes "
+            "for Qwen, pythonic, llama3_json); with it, tool_choice 'auto' (the default when a request sends tools) "
+            "is served as on vLLM's server with --enable-auto-tool-choice: the router reads the calls out of the "
+            "reply's text; without it, 'auto' gets a 400"
+        ),
+    )
+    tool_parser_plugin: str | None = Field(
+        None,
+        min_length=1,
+        description="vLLM's --tool-parser-plugin: a Python file, on every router node, that registers a tool parser of your own",
+    )
+
+    @model_validator(mode="after")
+    def _check_tool_parser(self) -> RouterConfig:
+        if self.tool_parser_plugin and not self.tool_call_parser:
+            raise ValueError("router.tool_parser_plugin registers a tool parser; name it in router.tool_call_parser")
+        return self
     operator_token: str | None = Field(
         None,
         min_length=16,

@@ -10,13 +10,16 @@ the same events.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from serve_app.router.parsing import ParsedRequest
 from serve_app.router.recompute import Emission
-from serve_app.router.tools import ForcedCall, RequiredCalls, RequiredCallsStream, required_tool_calls
+from serve_app.router.tools import AutoCalls, ForcedCall, RequiredCalls, RequiredCallsStream, new_call_id, required_tool_calls
 from serve_app.wire.protocol import TokenLogprob
+
+logger = logging.getLogger("pd_serve.router")
 
 TokenText = Callable[[int], str]
 
@@ -39,6 +42,8 @@ class ResponseFramer:
         self._prompt_ids_sent = False
         self._call_opened = False  # a named tool choice's call: its first delta sent
         self._required: RequiredCallsStream | None = None  # a required tool choice's calls so far
+        self._auto: Any = None  # an auto tool choice's parser, with the stream's state
+        self._auto_calls = 0  # the calls it has opened
 
     def _prompt_ids_once(self) -> list[int] | None:
         """The prompt's token ids for the stream's first chunk (``return_token_ids``, as vLLM's
@@ -67,7 +72,7 @@ class ResponseFramer:
                     self._chat_chunk(
                         delta,
                         self._chat_logprobs(emission.logprobs),
-                        self._finish_reason(emission.finish_reason, self._required.calls if self._required else 0),
+                        self._finish_reason(emission.finish_reason, self._streamed_calls()),
                         emission.stop_reason,
                         emission.token_ids,
                     )
@@ -83,6 +88,8 @@ class ResponseFramer:
         choice = self.request.tool_choice
         if choice is None:
             return {"content": emission.text} if emission.text or not emission.finish_reason else {}
+        if isinstance(choice, AutoCalls):
+            return self._auto_delta(choice, emission)
         if isinstance(choice, RequiredCalls):
             self._required = self._required or RequiredCallsStream()
             calls = self._required.feed(emission.text)
@@ -97,13 +104,40 @@ class ResponseFramer:
             tool_call.update(id=choice.call_id, type="function")
         return {"tool_calls": [tool_call]}
 
+    def _auto_delta(self, choice: AutoCalls, emission: Emission) -> dict[str, Any]:
+        """vLLM's parser on the step's text: content, tool calls, or nothing yet (a call's markers
+        and its name are held until the parser knows them). A parser that fails passes the text
+        on as content rather than end a response the engine has already computed."""
+        if self._auto is None:
+            self._auto = choice.new_parser()
+        try:
+            delta = self._auto.parse_delta(
+                emission.text,
+                list(emission.token_ids),
+                choice.request,
+                self.request.prompt_token_ids,
+                finished=emission.finish_reason is not None,
+            )
+        except Exception:
+            logger.exception("request %s: the tool-call parser failed; this step's text is sent as content", self.request.response_id)
+            return {"content": emission.text} if emission.text else {}
+        if delta is None:
+            return {}
+        out = {k: v for k, v in delta.model_dump(exclude_none=True).items() if v != []}
+        self._auto_calls += sum(1 for call in out.get("tool_calls", ()) if call.get("id"))
+        return out
+
+    def _streamed_calls(self) -> int:
+        return self._required.calls if self._required else self._auto_calls
+
     def _carries_token_data(self, emission: Emission) -> bool:
         return bool(emission.token_ids and self.request.return_token_ids) or bool(emission.logprobs and self.request.logprobs is not None)
 
     def _finish_reason(self, finish_reason: str | None, calls: int) -> str | None:
-        """OpenAI's: "tool_calls" where a required choice's calls ended as they should."""
-        required = isinstance(self.request.tool_choice, RequiredCalls)
-        return "tool_calls" if finish_reason == "stop" and required and calls else finish_reason
+        """OpenAI's: "tool_calls" where a required or an auto choice's calls ended as they should
+        (a named choice's reply ends with "stop")."""
+        calling = isinstance(self.request.tool_choice, RequiredCalls | AutoCalls)
+        return "tool_calls" if finish_reason == "stop" and calling and calls else finish_reason
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
@@ -226,7 +260,11 @@ class ResponseFramer:
                 choices=[choice],
                 usage=use,
             )
-        return _dump(response, keep_choice_keys=("finish_reason", "stop_reason", "logprobs"))
+        data = _dump(response, keep_choice_keys=("finish_reason", "stop_reason", "logprobs"))
+        for choice in data["choices"]:
+            if "message" in choice:  # OpenAI's message always has content: null beside tool calls
+                choice["message"].setdefault("content", None)
+        return data
 
     def _chat_message(self, text: str) -> Any:
         """The reply: text, or tool calls (content "", as vLLM's server)."""
@@ -239,7 +277,22 @@ class ResponseFramer:
         if isinstance(choice, RequiredCalls):
             calls = [{k: v for k, v in call.items() if k != "index"} for call in required_tool_calls(text)]
             return ChatMessage(role="assistant", content="", tool_calls=calls)
+        if isinstance(choice, AutoCalls):
+            return ChatMessage(role="assistant", **self._auto_reply(choice, text))
         return ChatMessage(role="assistant", content=text)
+
+    def _auto_reply(self, choice: AutoCalls, text: str) -> dict[str, Any]:
+        """The whole text through vLLM's parser: the content around the calls, and the calls."""
+        try:
+            _, content, found = choice.new_parser().parse(text, choice.request, enable_auto_tools=True)
+        except Exception:
+            logger.exception("request %s: the tool-call parser failed; the reply is sent as content", self.request.response_id)
+            return {"content": text}
+        calls = [
+            {"id": getattr(fn, "id", None) or new_call_id(), "type": "function", "function": {"name": fn.name, "arguments": fn.arguments}}
+            for fn in found or ()
+        ]
+        return {"content": content, "tool_calls": calls} if calls else {"content": content if content is not None else text}
 
     # ------------------------------------------------------------------ logprobs
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None) -> Any:

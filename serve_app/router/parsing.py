@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from serve_app.router.errors import OpenAIError, bad_request
 from serve_app.router.text import PromptEncoder
-from serve_app.router.tools import ToolChoice, template_tool_calls, template_tools, tool_choice_of
+from serve_app.router.tools import AutoCalls, ForcedCall, RequiredCalls, ToolChoice, template_tool_calls, template_tools, tool_choice_of
 from serve_app.runtime.private_symbols import unchanged
 from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS
 
@@ -80,6 +80,7 @@ class ModelContext:
     # The model's sampling defaults for what a request leaves out (router/sampling_defaults.py).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_tokens_cap: int | None = None  # a bound on every request's max_tokens (the same module)
+    tool_parser: Any = None  # the tool-call parser class "auto" needs (router/tools.py: load_tool_parser)
     encode: PromptEncoder = field(init=False, repr=False)
     # Longer text cannot fit max_model_len tokens whatever it says (no token spells more
     # characters than the vocabulary's longest): refused before the tokenizer spends time on it.
@@ -208,8 +209,10 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
 
     request = _validate(route, body)
     _reject_unsupported(route, request, ctx)
-    tool_choice = tool_choice_of(request) if route == "chat" else None
-    if tool_choice is not None and (request.structured_outputs is not None or request.response_format is not None):
+    tool_choice = tool_choice_of(request, ctx.tool_parser, ctx.tokenizer) if route == "chat" else None
+    if isinstance(tool_choice, AutoCalls):
+        _adjust_for_tool_parser(tool_choice)
+    elif tool_choice is not None and (request.structured_outputs is not None or request.response_format is not None):
         param = "response_format" if request.response_format is not None else "structured_outputs"
         raise bad_request(f"This tool_choice constrains the reply to tool calls; {param} cannot be added", param=param)
 
@@ -236,7 +239,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     except _client_errors() as exc:
         raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
 
-    if tool_choice is not None:
+    if isinstance(tool_choice, ForcedCall | RequiredCalls):
         from vllm.sampling_params import StructuredOutputsParams
 
         params.structured_outputs = StructuredOutputsParams(json=tool_choice.schema)
@@ -273,6 +276,18 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         cache_salt=request.cache_salt,
         tool_choice=tool_choice,
     )
+
+
+def _adjust_for_tool_parser(choice: AutoCalls) -> None:
+    """What the model's tool-call parser changes in the request before its sampling parameters are
+    built, as on vLLM's server: e.g. hermes keeps special tokens in the text (its call markers may
+    be special tokens), and vLLM 0.32's parsers for formats xgrammar knows hold a call's
+    arguments to the tool's schema once the model opens one (a structural tag, which the
+    router's grammar bounds then check like a client's)."""
+    try:
+        choice.new_parser().adjust_request(choice.request)
+    except (*_client_errors(), ValueError, TypeError, KeyError) as exc:
+        raise bad_request(f"Invalid tools for this model's tool-call format: {exc}", param="tools") from None
 
 
 def _refuse_reserved(body: dict[str, Any]) -> None:

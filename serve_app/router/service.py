@@ -34,6 +34,7 @@ from serve_app.router.membership import MEMBERSHIP, ReplicaInfo
 from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
 from serve_app.router.pool import EnginePool, PrefixRouting
 from serve_app.router.session import ResponseSession
+from serve_app.router.tools import load_tool_parser
 from serve_app.runtime.metrics import RouterMetrics
 from serve_app.wire.protocol import Role
 
@@ -164,6 +165,7 @@ class RouterService:
             trust_request_chat_template=config.router.trust_request_chat_template,
             sampling_defaults=dict(sampling_defaults or {}),
             max_tokens_cap=max_tokens_cap,
+            tool_parser=load_tool_parser(config.router.tool_call_parser, config.router.tool_parser_plugin, tokenizer, config.model),
         )
         self.metrics = metrics
         audit = LeakAudit(

@@ -14,9 +14,13 @@ streams its arguments in pieces; clients assemble both alike):
   one per call, each naming one of ``tools`` and holding to its schema (one call only with
   ``parallel_tool_calls: false``); the reply is those calls, ``finish_reason`` "tool_calls".
 
-``"auto"`` (the default when ``tools`` are sent) needs the model's own tool-call format parsed out
-of free text, which vLLM does with a parser named per model (``--tool-call-parser``): refused,
-saying so. ``"none"`` renders the tools into the prompt (as vLLM does) and answers in text.
+``"auto"`` (the default when ``tools`` are sent) lets the model decide, and its calls are written in
+its own format, which only a parser for that model's format can read out of the text. With
+``router.tool_call_parser`` naming one of vLLM's parsers (``--tool-call-parser``), the router runs
+it on the response text, streamed or not, as vLLM's server does with ``--enable-auto-tool-choice``
+(``AutoCalls``); the text is the whole response's, whatever the attempts behind it, so a recompute
+is invisible to the parser too. Without one, ``"auto"`` is refused, saying what works. ``"none"``
+renders the tools into the prompt (as vLLM does) and answers in text.
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ from serve_app.router.errors import bad_request
 logger = logging.getLogger("pd_serve.router")
 
 AUTO_REFUSED = (
-    'tool_choice "auto" needs the model\'s tool-call format parsed out of its text, which this server '
-    'does not do: name the function to call (tool_choice: {"type": "function", "function": {"name": '
-    '...}}), or send tool_choice "required" or "none"'
+    'tool_choice "auto" needs the model\'s tool-call format parsed out of its text, and this server has no '
+    "tool-call parser configured (router.tool_call_parser): name the function to call (tool_choice: "
+    '{"type": "function", "function": {"name": ...}}), or send tool_choice "required" or "none"'
 )
 
 
@@ -64,17 +68,59 @@ class RequiredCalls:
     schema: dict[str, Any]
 
 
-ToolChoice = ForcedCall | RequiredCalls
+@dataclass(frozen=True)
+class AutoCalls:
+    """``tool_choice: "auto"`` with a tool-call parser: the model may answer in text or call tools in
+    its own format, and vLLM's parser for that format reads the calls out of the text. One parser
+    per response (it keeps the stream's state), built by ``new_parser``."""
+
+    parser_cls: Any  # a vllm.parser Parser class (ParserManager.get_parser)
+    request: Any  # the vLLM request model the parser reads: tools, tool_choice
+    tokenizer: Any
+
+    def new_parser(self) -> Any:
+        return self.parser_cls(self.tokenizer, self.request.tools)
 
 
-def tool_choice_of(request: Any) -> ToolChoice | None:
+ToolChoice = ForcedCall | RequiredCalls | AutoCalls
+
+
+def load_tool_parser(name: str | None, plugin: str | None, tokenizer: Any, model_name: str | None = None) -> Any:
+    """The vLLM parser class for ``router.tool_call_parser`` (None without one), checked against the
+    tokenizer at start: a parser whose format needs tokens the tokenizer lacks fails here, once,
+    not on a client's request."""
+    if not name:
+        return None
+    from vllm.parser import ParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    if plugin:
+        ToolParserManager.import_tool_parser(plugin)
+    try:
+        parser_cls = ParserManager.get_parser(tool_parser_name=name, enable_auto_tools=True, model_name=model_name)
+    except (KeyError, TypeError):
+        parser_cls = None
+    if parser_cls is None:
+        known = ", ".join(ToolParserManager.list_registered())
+        raise ValueError(f"router.tool_call_parser: vLLM has no tool parser named {name!r} (it has: {known})")
+    try:
+        parser_cls(tokenizer, [])
+    except Exception as exc:
+        raise ValueError(f"router.tool_call_parser: the {name!r} parser does not fit the served model's tokenizer: {exc}") from None
+    return parser_cls
+
+
+def tool_choice_of(request: Any, parser_cls: Any = None, tokenizer: Any = None) -> ToolChoice | None:
     """What a chat request's ``tool_choice`` asks of the output (None: text). vLLM's request model
-    has already checked the choice's shape and that a named function is among ``tools``."""
+    has already checked the choice's shape and that a named function is among ``tools``.
+    ``parser_cls``: the configured tool-call parser (``load_tool_parser``), which "auto" needs."""
     choice = request.tool_choice
     if not request.tools or choice is None or choice == "none":
         return None
     if choice == "required":
         return RequiredCalls(schema=required_calls_schema(request.tools, single=request.parallel_tool_calls is False))
+    if choice == "auto" and parser_cls is not None:
+        return AutoCalls(parser_cls=parser_cls, request=request, tokenizer=tokenizer)
     if isinstance(choice, str):
         raise bad_request(AUTO_REFUSED, param="tool_choice")
     name = choice.function.name

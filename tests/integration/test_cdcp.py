@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from tests.support.cluster import (
     busy_engine,
@@ -22,6 +23,7 @@ from tests.support.cluster import (
     inspect,
     metric_lines,
     post,
+    sse_chunks,
     token_pattern,
     wait_for_metrics,
     wait_healthy,
@@ -50,6 +52,7 @@ ARGS = {
         "mode": "disaggregated",
         "local_prefill_max_tokens": LOCAL_PREFILL,
         "local_prefill_queue_tokens": QUEUE_BOUND,
+        "tool_call_parser": "hermes",
         "num_cpus": 0.1,
         "max_attempts": 3,
         "timeouts": {"kv_ready_s": 5, "prefill_s": 20, "first_token_s": 30, "request_s": 120},
@@ -159,6 +162,66 @@ def test_structured_output_through_disaggregated_engines(app, baseline_app):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and "invalid type: no such type" in error["message"].lower(), error
+    wait_idle(app)
+
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    }
+]
+# One call in hermes' format, which a client's grammar makes the random model write.
+HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,8}", "days": [1-9]\}\}\n</tool_call>'
+
+
+def test_auto_tool_calls_are_read_by_the_models_parser_through_disaggregated_engines(app, baseline_app):
+    """``router.tool_call_parser: hermes``: with tools, ``tool_choice`` "auto" (the default) is
+    served, and vLLM's hermes parser reads the calls out of the reply's text. The engines sample,
+    with KV pushed by a prefill engine, the tokens a colocated engine samples for the same
+    grammar (there with ``tool_choice: none``: the call as text), and the reply is that call,
+    streamed or not; without a call in the text, the reply is the text."""
+    chat = {
+        "messages": [{"role": "user", "content": " ".join(f"w{i % 89}" for i in range(40)) + " Weather in Oslo?"}],
+        "tools": WEATHER_TOOLS,
+        "max_tokens": 120,
+        "temperature": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,  # what hermes' parser sets
+        "structured_outputs": {"regex": HERMES_CALL},
+    }
+    want = post(baseline_app, "/v1/chat/completions", {**chat, "tool_choice": "none"}).json()["choices"][0]
+    assert re.fullmatch(HERMES_CALL, want["message"]["content"]), want
+    arguments = json.loads(want["message"]["content"].split("\n")[1])["arguments"]
+
+    response = post(app, "/v1/chat/completions", chat)
+    assert response.status_code == 200, response.text
+    got = response.json()["choices"][0]
+    assert got["token_ids"] == want["token_ids"] and got["finish_reason"] == "tool_calls" and not got["message"]["content"]
+    (call,) = got["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == arguments and call["id"]
+    wait_idle(app)
+    attempt = response.json()["id"] + "-1"
+    (pushed,) = [p["transfers"][attempt] for p in inspect(app, "prefill", [attempt]).values() if p["transfers"][attempt]]
+    assert pushed["outcome"] == "done"
+
+    with requests.post(app.base_url + "/v1/chat/completions", json={**chat, "stream": True}, stream=True, timeout=180) as streamed:
+        assert streamed.status_code == 200, streamed.text
+        choices = [chunk["choices"][0] for chunk in sse_chunks(streamed) if chunk["choices"]]
+    calls = [c for choice in choices for c in choice["delta"].get("tool_calls") or ()]
+    assert {c["index"] for c in calls} == {0} and [c["function"]["name"] for c in calls if c.get("id")] == ["get_weather"]
+    assert json.loads("".join(c["function"].get("arguments") or "" for c in calls)) == arguments
+    assert not "".join(choice["delta"].get("content") or "" for choice in choices) and choices[-1]["finish_reason"] == "tool_calls"
+
+    free = {**chat, "max_tokens": 24, "ignore_eos": True}
+    del free["structured_outputs"]
+    want = post(baseline_app, "/v1/chat/completions", {**free, "tool_choice": "none"}).json()["choices"][0]
+    got = post(app, "/v1/chat/completions", free).json()["choices"][0]
+    assert got["token_ids"] == want["token_ids"] and got["message"]["content"] == want["message"]["content"]
+    assert not got["message"].get("tool_calls") and got["finish_reason"] == "length"
     wait_idle(app)
 
 

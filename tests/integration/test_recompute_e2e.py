@@ -4,6 +4,7 @@ replica killed mid-stream is resumed the same way."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -30,6 +31,7 @@ from tests.support.cluster import (
 pytestmark = pytest.mark.engine
 
 ARGS = kv_pressure_args(decode_replicas=2)
+ARGS["router"]["tool_call_parser"] = "hermes"  # for tool_choice "auto"
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def call(app, route: str, body: dict[str, Any]) -> dict[str, Any]:
             "logprobs": choice.get("logprobs"),
         }
     body["stream_options"] = {"include_usage": True}
-    out: dict[str, Any] = {"tokens": [], "text": "", "finish": None, "roles": 0, "ids": set(), "logprob_count": 0}
+    out: dict[str, Any] = {"tokens": [], "text": "", "finish": None, "roles": 0, "ids": set(), "logprob_count": 0, "calls": {}}
     with requests.post(app.base_url + path, json=body, stream=True, timeout=900) as response:
         assert response.status_code == 200, response.text
         for chunk in sse_chunks(response):
@@ -68,7 +70,12 @@ def call(app, route: str, body: dict[str, Any]) -> dict[str, Any]:
             for choice in chunk["choices"]:
                 delta = choice.get("delta", {})
                 out["roles"] += 1 if delta.get("role") else 0
-                out["text"] += delta.get("content", "") if route == "chat" else choice.get("text", "")
+                out["text"] += (delta.get("content") or "") if route == "chat" else choice.get("text", "")
+                for call_delta in delta.get("tool_calls") or ():  # assembled as a client does
+                    one = out["calls"].setdefault(call_delta["index"], {"id": None, "name": "", "arguments": ""})
+                    one["id"] = one["id"] or call_delta.get("id")
+                    one["name"] += call_delta.get("function", {}).get("name") or ""
+                    one["arguments"] += call_delta.get("function", {}).get("arguments") or ""
                 out["tokens"] += choice.get("token_ids") or []
                 out["finish"] = choice.get("finish_reason") or out["finish"]
                 lp = choice.get("logprobs")
@@ -158,7 +165,7 @@ def test_recompute_under_kv_pressure_is_token_exact(app, baseline_app, cluster):
     wait_idle(app)
 
 
-def resumed_under_pressure(app, body: dict[str, Any], first_seed: int, rounds: int = 3) -> dict[str, Any]:
+def resumed_under_pressure(app, body: dict[str, Any], first_seed: int, rounds: int = 3, route: str = "completions") -> dict[str, Any]:
     """``body`` sent, streamed, once six long streams are running: it is then the newest request
     on an engine whose KV (2,048 tokens) runs out while it still has some hundred tokens to go,
     and the recompute scheduler gives back the newest request first, so it is resumed. Not every
@@ -167,7 +174,7 @@ def resumed_under_pressure(app, body: dict[str, Any], first_seed: int, rounds: i
     streams, until one resumes it (checked: a second attempt, and a first one that ended early);
     ``body``'s answer is the same in every round."""
     for round_ in range(rounds):
-        got = _under_pressure(app, body, first_seed + 10 * round_)
+        got = _under_pressure(app, body, first_seed + 10 * round_, route)
         records = {}
         for engine in inspect(app, "decode", [got["id"] + "-1", got["id"] + "-2"]).values():
             records.update({a: r for a, r in engine["requests"].items() if r is not None})
@@ -179,7 +186,7 @@ def resumed_under_pressure(app, body: dict[str, Any], first_seed: int, rounds: i
     raise AssertionError(f"the request was never resumed in {rounds} rounds")
 
 
-def _under_pressure(app, body: dict[str, Any], first_seed: int) -> dict[str, Any]:
+def _under_pressure(app, body: dict[str, Any], first_seed: int, route: str) -> dict[str, Any]:
     running = [threading.Event() for _ in range(6)]
 
     def pressure(k: int) -> None:
@@ -194,7 +201,7 @@ def _under_pressure(app, body: dict[str, Any], first_seed: int) -> dict[str, Any
         t.start()
     for event in running:
         assert event.wait(300), "a pressure stream never started"
-    got = call(app, "completions", {**body, "stream": True})
+    got = call(app, route, {**body, "stream": True})
     for t in pressure_threads:
         t.join(timeout=900)
     return got
@@ -254,6 +261,32 @@ def test_structured_output_goes_on_where_the_earlier_attempt_left_off(app, basel
     got = resumed_under_pressure(app, body, first_seed=120)
     assert got["first_attempt_tokens"] > 0, "the first attempt gave no output: nothing for the grammar to go on from"
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["finish"] == "stop"
+    wait_idle(app)
+
+
+def test_an_auto_tool_call_goes_on_where_the_earlier_attempt_left_off(app, baseline_app):
+    """A hermes tool call some 500 tokens long (a client's regex makes the random model write
+    one), resumed under KV pressure: the router's parser (router.tool_call_parser) reads the
+    response's text as one, whatever attempts wrote it, so the client gets the one call a
+    colocated engine's text holds, streamed in pieces, and ``finish_reason`` "tool_calls"."""
+    number = r"(0|[1-9]\d{0,2})"  # JSON's: no leading zeros
+    regex = rf'<tool_call>\n\{{"name": "plot", "arguments": \{{"points": \[({number}, ){{150}}{number}\]\}}\}}\n</tool_call>'
+    points = {"type": "object", "properties": {"points": {"type": "array", "items": {"type": "integer"}}}}
+    body = {
+        "messages": [{"role": "user", "content": " ".join(f"w{(i * 13) % 97}" for i in range(60)) + " Plot them."}],
+        "tools": [{"type": "function", "function": {"name": "plot", "parameters": points}}],
+        "max_tokens": 640,
+        "structured_outputs": {"regex": regex},
+    }
+    # Colocated, tool_choice "none": the call as text (special tokens kept, as hermes' parser keeps them).
+    want = call(baseline_app, "chat", {**body, "tool_choice": "none", "skip_special_tokens": False})
+    assert want["finish"] == "stop" and re.fullmatch(regex, want["text"]), want["text"]
+    got = resumed_under_pressure(app, body, first_seed=160, route="chat")
+    assert got["first_attempt_tokens"] > 0, "the first attempt gave no output: nothing for the parser to go on from"
+    assert got["tokens"] == want["tokens"] and got["finish"] == "tool_calls" and not got["text"]
+    (only,) = got["calls"].values()
+    assert only["id"] and only["name"] == "plot"
+    assert json.loads(only["arguments"]) == json.loads(want["text"].split("\n")[1])["arguments"]
     wait_idle(app)
 
 

@@ -210,3 +210,15 @@ def test_tensor_parallel_on_the_cpu_backend_is_checked_at_load():
         load_config({"decode": {"engine_kwargs": {"tensor_parallel_size": 2}, "cpu_bind": ["0|1"]}})
     # Other backends bind their own devices.
     assert load_config({"backend": "mock", "engine_kwargs": {"tensor_parallel_size": 2}}).backend == "mock"
+
+
+def test_a_tool_call_parser_is_checked_when_the_app_is_built():
+    """A misspelt parser fails `serve run` at once, naming the parsers vLLM has, rather than each
+    router replica's start after the engines have loaded; a plugin needs the parser's name."""
+    from serve_app.app import build_app
+
+    with pytest.raises(ConfigError, match=r"router.tool_call_parser: vLLM has no tool parser named 'hermse' \(it has: .*hermes"):
+        build_app({"router": {"tool_call_parser": "hermse"}})
+    with pytest.raises(ConfigError, match="name it in router.tool_call_parser"):
+        load_config({"router": {"tool_parser_plugin": "/opt/parsers/mine.py"}})
+    assert load_config({"router": {"tool_call_parser": "hermes"}}).router.tool_call_parser == "hermes"

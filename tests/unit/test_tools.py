@@ -1,17 +1,28 @@
-"""Named and required tool calls (router/tools.py): parsing with vLLM's request models and the
-tiny tokenizer, and the response framing through the whole router on mock engines
-(tests/support/inprocess.py). test_foundation.py runs both on real engines, where the grammar
-constrains the output."""
+"""Tool calls (router/tools.py): named and required choices, and "auto" read by a configured
+vLLM tool-call parser. Parsing with vLLM's request models and the tiny tokenizer, the response
+framing, and the whole router on mock engines (tests/support/inprocess.py). test_foundation.py
+runs named and required choices on real engines, where the grammar constrains the output;
+test_cdcp.py and test_recompute_e2e.py run "auto" with vLLM's hermes parser."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from serve_app.router.errors import OpenAIError
+from serve_app.router.framing import ResponseFramer
 from serve_app.router.parsing import ModelContext, parse_request
-from serve_app.router.tools import RequiredCalls, RequiredCallsStream, no_parameters, required_tool_calls
+from serve_app.router.recompute import Emission
+from serve_app.router.tools import (
+    AutoCalls,
+    RequiredCalls,
+    RequiredCallsStream,
+    load_tool_parser,
+    no_parameters,
+    required_tool_calls,
+)
 from tests.support.inprocess import App, args, body_of, run
 
 WEATHER = {
@@ -183,3 +194,158 @@ def test_a_required_reply_cut_short_has_no_calls_and_no_text(tiny_tokenizer):
         assert status == 200 and not any(d.get("tool_calls") or d.get("content") for d in deltas)
 
     run(body, args(), tiny_tokenizer)
+
+
+# ---------------------------------------------------------------- tool_choice "auto", with a parser
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+
+
+@pytest.fixture
+def auto_ctx(tiny_tokenizer):
+    parser = load_tool_parser("hermes", None, tiny_tokenizer)
+    return ModelContext(
+        name="tiny-llama", aliases=frozenset(), max_model_len=512, vocab_size=1024, tokenizer=tiny_tokenizer, tool_parser=parser
+    )
+
+
+def test_auto_is_served_with_a_tool_call_parser_as_vllms_server_adjusts_it(auto_ctx):
+    for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):  # "auto" is the default with tools
+        parsed = parse_request("chat", {"messages": MESSAGES, **body}, auto_ctx)
+        assert isinstance(parsed.tool_choice, AutoCalls) and parsed.tool_choice.request.tools[0].function.name == "get_weather"
+        # hermes keeps special tokens in the text (its markers are special tokens in some models).
+        assert parsed.skip_special_tokens is False and parsed.sampling_params.skip_special_tokens is False
+        assert parsed.sampling_params.structured_outputs is None  # the model may answer in text
+    # The model decides, so a client's grammar may come too (as on vLLM's server).
+    body = {"messages": MESSAGES, "tools": TOOLS, "structured_outputs": {"regex": "[a-z]+"}}
+    assert parse_request("chat", body, auto_ctx).sampling_params.structured_outputs.regex == "[a-z]+"
+    # Named and required choices stay the router's own (a grammar, no parser); "none" is text.
+    required = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}, auto_ctx)
+    assert isinstance(required.tool_choice, RequiredCalls)
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}, auto_ctx)
+    assert parsed.tool_choice is None and parsed.skip_special_tokens is True
+    # A strict tool: vLLM 0.32 holds a call's arguments to its schema once the model opens one
+    # (a structural tag triggered by hermes' marker); vLLM 0.23 does not.
+    from vllm import envs
+
+    strict = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}}]
+    outputs = parse_request("chat", {"messages": MESSAGES, "tools": strict}, auto_ctx).sampling_params.structured_outputs
+    if getattr(envs, "VLLM_ENFORCE_STRICT_TOOL_CALLING", False):
+        tag = json.loads(outputs.structural_tag)
+        assert "<tool_call>" in json.dumps(tag) and "get_weather" in json.dumps(tag)
+    else:
+        assert outputs is None
+
+
+def test_a_tool_call_parser_fails_at_start_not_on_a_request(tiny_tokenizer, tmp_path):
+    assert load_tool_parser(None, None, tiny_tokenizer) is None
+    with pytest.raises(ValueError, match=r"no tool parser named 'nope' \(it has: .*hermes"):
+        load_tool_parser("nope", None, tiny_tokenizer)
+    # llama3_json's calls start with <|python_tag|>, which is no token of the tiny tokenizer.
+    with pytest.raises(ValueError, match="does not fit the served model's tokenizer"):
+        load_tool_parser("llama3_json", None, tiny_tokenizer)
+    # A parser of one's own, registered by a plugin file (vLLM's --tool-parser-plugin).
+    plugin = tmp_path / "pd_test_tool_parser.py"
+    plugin.write_text(
+        "from vllm.tool_parsers import ToolParserManager\n"
+        "from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser\n"
+        "ToolParserManager.register_module('pd_test_calls', module=type('PdTestCalls', (Hermes2ProToolParser,), {}))\n"
+    )
+    assert load_tool_parser("pd_test_calls", str(plugin), tiny_tokenizer).tool_parser_cls.__name__ == "PdTestCalls"
+
+
+def reply(parsed, text: str, finish: str = "stop") -> dict:
+    framer = ResponseFramer(parsed, str)
+    return framer.final(text=text, token_ids=[7] * 3, logprobs=None, finish_reason=finish, stop_reason=None, prompt_tokens=3)["choices"][0]
+
+
+def streamed(parsed, text: str, step: int, finish: str = "stop") -> tuple[str, list[tuple[str, str, str]], str | None]:
+    """The text fed ``step`` characters a step: the content, each call's (id, name, arguments)
+    assembled as a client does, and the last finish_reason."""
+    framer = ResponseFramer(parsed, str)
+    content, calls, last = "", {}, None
+    for i in range(0, len(text), step):
+        end = i + step >= len(text)
+        for chunk in framer.chunks(Emission(text=text[i : i + step], token_ids=[7], finish_reason=finish if end else None)):
+            choice = chunk["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for call in choice["delta"].get("tool_calls") or ():
+                mine = calls.setdefault(call["index"], {"id": None, "name": "", "arguments": ""})
+                mine["id"] = mine["id"] or call.get("id")
+                mine["name"] += call.get("function", {}).get("name") or ""
+                mine["arguments"] += call.get("function", {}).get("arguments") or ""
+            last = choice["finish_reason"] or last
+    return content, [(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())], last
+
+
+def test_auto_calls_are_read_out_of_the_text_streamed_at_any_pace_or_whole(auto_ctx):
+    """The same calls and content whether the parser sees the text a character at a time or
+    whole; the text is the response's, whatever attempts produced it (a recompute's boundary
+    falls anywhere, like a step's)."""
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS}, auto_ctx)
+    text = "Checking. " + HERMES_CALL + "\n" + HERMES_CALL.replace("Oslo", "Bergen").replace("2}", "5}")
+    whole = reply(parsed, text)
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"].strip() == "Checking."
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["message"]["tool_calls"]]
+    assert calls == [("get_weather", {"city": "Oslo", "days": 2}), ("get_weather", {"city": "Bergen", "days": 5})]
+    assert all(c["id"] and c["type"] == "function" for c in whole["message"]["tool_calls"])
+    # Calls alone: content is null, and there (OpenAI's message always has it).
+    assert reply(parsed, HERMES_CALL)["message"]["content"] is None
+    for step in (1, 2, 3, 7, 16, len(text)):
+        content, got, finish = streamed(parsed, text, step)
+        assert content.strip() == "Checking." and finish == "tool_calls", step
+        assert [(name, json.loads(arguments)) for _, name, arguments in got] == calls, step
+        assert len({call_id for call_id, _, _ in got}) == 2 and all(got_id for got_id, _, _ in got)
+
+
+def test_auto_text_without_a_call_is_content_and_a_call_cut_short_keeps_its_finish(auto_ctx):
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS}, auto_ctx)
+    plain = "No tool is needed: it rains in Oslo."
+    whole = reply(parsed, plain)
+    assert whole["message"]["content"] == plain and not whole["message"].get("tool_calls") and whole["finish_reason"] == "stop"
+    assert streamed(parsed, plain, 3) == (plain, [], "stop")
+    # Out of tokens inside a call: "length" says so, as on vLLM's server when streaming.
+    _, _, finish = streamed(parsed, HERMES_CALL[:-20], 4, finish="length")
+    assert finish == "length"
+
+
+def test_a_failing_tool_call_parser_sends_the_text_as_content(auto_ctx, caplog):
+    """A parser that raises (vLLM's parsers are model-specific code) must not end a response the
+    engines computed: the text goes on as content, and the failure is logged with the request."""
+
+    class Broken:
+        def __init__(self, *args):
+            pass
+
+        def parse_delta(self, *args, **kwargs):
+            raise RuntimeError("broken parser")
+
+        def parse(self, *args, **kwargs):
+            raise RuntimeError("broken parser")
+
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS}, auto_ctx)
+    parsed = dataclasses.replace(parsed, tool_choice=dataclasses.replace(parsed.tool_choice, parser_cls=Broken))
+    message = reply(parsed, HERMES_CALL)["message"]
+    assert message["content"] == HERMES_CALL and not message.get("tool_calls")
+    assert streamed(parsed, HERMES_CALL, 5) == (HERMES_CALL, [], "stop")
+    assert "the tool-call parser failed" in caplog.text and parsed.response_id in caplog.text
+
+
+def test_auto_through_the_router_with_a_parser_configured(tiny_tokenizer):
+    """router.tool_call_parser reaches the router's parsing: the mock engine writes no call, so
+    the reply to a request with tools is the same text as without them."""
+
+    async def body(app: App) -> None:
+        plain = {"messages": MESSAGES, "max_tokens": 8}
+        status, data = await body_of(await app.service.http("chat", json.dumps(plain).encode()))
+        assert status == 200
+        content = data["choices"][0]["message"]["content"]
+        status, data = await body_of(await app.service.http("chat", json.dumps({**plain, "tools": TOOLS}).encode()))
+        assert status == 200, data
+        assert data["choices"][0]["message"]["content"] == content and not data["choices"][0]["message"].get("tool_calls")
+        status, events = await body_of(await app.service.http("chat", json.dumps({**plain, "tools": TOOLS, "stream": True}).encode()))
+        assert status == 200
+        deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == content
+
+    run(body, args(router={"tool_call_parser": "hermes"}), tiny_tokenizer)
