@@ -575,6 +575,20 @@ class AppConfig(_Strict):
         return self.served_model_name or self.model
 
     @property
+    def reasoning_parser(self) -> tuple[str | None, str | None]:
+        """The decode engines' reasoning parser and its plugin (vLLM's ``reasoning_parser`` and
+        ``reasoning_parser_plugin`` engine arguments, or ``structured_outputs_config``'s): on
+        vLLM's server one flag sets the engine's (a grammar holds only the answer) and the
+        server's (replies split into reasoning and content), and here the router reads replies
+        with the parser the decode engines run."""
+        kwargs = {**self.engine_kwargs, **self.decode.engine_kwargs}
+        structured = kwargs.get("structured_outputs_config")
+        structured = structured if isinstance(structured, dict) else {}
+        name = kwargs.get("reasoning_parser") or structured.get("reasoning_parser") or None
+        plugin = kwargs.get("reasoning_parser_plugin") or structured.get("reasoning_parser_plugin") or None
+        return name, plugin
+
+    @property
     def prefix_block_tokens(self) -> int:
         """The prefix block of cache-aware routing: the engines' KV block size as configured."""
         if self.router.prefix.block_tokens is not None:

@@ -44,6 +44,7 @@ class ResponseFramer:
         self._required: RequiredCallsStream | None = None  # a required tool choice's calls so far
         self._auto: Any = None  # an auto tool choice's parser, with the stream's state
         self._auto_calls = 0  # the calls it has opened
+        self._split: Any = None  # a reasoning model's reply parser, with the stream's state
 
     def _prompt_ids_once(self) -> list[int] | None:
         """The prompt's token ids for the stream's first chunk (``return_token_ids``, as vLLM's
@@ -82,50 +83,65 @@ class ResponseFramer:
         return out
 
     def _chat_delta(self, emission: Emission) -> dict[str, Any]:
-        """Text as ``content``, or as tool calls (router/tools.py): a named call's id, type and
-        name in the first delta that carries any arguments, as vLLM's server streams them; each
-        call of a required choice whole, once its JSON object is complete."""
+        """Text as ``content``, or as tool calls (router/tools.py), with a reasoning model's
+        thinking apart as ``reasoning`` (router/output_parsers.py). A named call's id, type and
+        name come in the first delta that carries any arguments, as vLLM's server streams them;
+        each call of a required choice whole, once its JSON object is complete; an auto
+        choice's calls as vLLM's parser for the model's format reads them."""
         choice = self.request.tool_choice
+        if isinstance(choice, AutoCalls):  # its parser takes the reasoning out too
+            self._auto = self._auto or choice.new_parser()
+            delta = self._parsed_delta(self._auto, choice.request, emission)
+            self._auto_calls += sum(1 for call in delta.get("tool_calls", ()) if call.get("id"))
+            return self._shown(delta)
+        text, out = emission.text, {}
+        if self.request.reasoning is not None:
+            self._split = self._split or self.request.reasoning.new_parser()
+            out = self._parsed_delta(self._split, self.request.reasoning.request, emission)
+            text = out.pop("content", None) or ""
+            out = self._shown(out)
+            if choice is None:
+                return {**out, "content": text} if text else out
         if choice is None:
-            return {"content": emission.text} if emission.text or not emission.finish_reason else {}
-        if isinstance(choice, AutoCalls):
-            return self._auto_delta(choice, emission)
+            return {"content": text} if text or not emission.finish_reason else {}
         if isinstance(choice, RequiredCalls):
             self._required = self._required or RequiredCallsStream()
-            calls = self._required.feed(emission.text)
-            return {"tool_calls": calls} if calls else {}
-        if not emission.text:
-            return {}
-        function: dict[str, Any] = {"arguments": emission.text}
+            calls = self._required.feed(text)
+            return {**out, "tool_calls": calls} if calls else out
+        if not text:
+            return out
+        function: dict[str, Any] = {"arguments": text}
         tool_call: dict[str, Any] = {"index": 0, "function": function}
         if not self._call_opened:
             self._call_opened = True
             function["name"] = choice.name
             tool_call.update(id=choice.call_id, type="function")
-        return {"tool_calls": [tool_call]}
+        return {**out, "tool_calls": [tool_call]}
 
-    def _auto_delta(self, choice: AutoCalls, emission: Emission) -> dict[str, Any]:
-        """vLLM's parser on the step's text: content, tool calls, or nothing yet (a call's markers
-        and its name are held until the parser knows them). A parser that fails passes the text
-        on as content rather than end a response the engine has already computed."""
-        if self._auto is None:
-            self._auto = choice.new_parser()
+    def _parsed_delta(self, parser: Any, request: Any, emission: Emission) -> dict[str, Any]:
+        """vLLM's parser on the step's text: content, reasoning, tool calls, or nothing yet (a
+        marker, or a call's name, is held until the parser knows what it is). A parser that
+        fails passes the text on as content rather than end a response the engines computed."""
         try:
-            delta = self._auto.parse_delta(
+            delta = parser.parse_delta(
                 emission.text,
                 list(emission.token_ids),
-                choice.request,
+                request,
                 self.request.prompt_token_ids,
                 finished=emission.finish_reason is not None,
             )
         except Exception:
-            logger.exception("request %s: the tool-call parser failed; this step's text is sent as content", self.request.response_id)
+            logger.exception("request %s: the reply parser failed; this step's text is sent as content", self.request.response_id)
             return {"content": emission.text} if emission.text else {}
         if delta is None:
             return {}
-        out = {k: v for k, v in delta.model_dump(exclude_none=True).items() if v != []}
-        self._auto_calls += sum(1 for call in out.get("tool_calls", ()) if call.get("id"))
-        return out
+        return {k: v for k, v in delta.model_dump(exclude_none=True).items() if v != []}
+
+    def _shown(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Without the reasoning a request asked to leave out (``include_reasoning: false``)."""
+        if self.request.reasoning is not None and not self.request.reasoning.include:
+            fields.pop("reasoning", None)
+        return fields
 
     def _streamed_calls(self) -> int:
         return self._required.calls if self._required else self._auto_calls
@@ -267,32 +283,41 @@ class ResponseFramer:
         return data
 
     def _chat_message(self, text: str) -> Any:
-        """The reply: text, or tool calls (content "", as vLLM's server)."""
+        """The reply: text, or tool calls (content "" for a named or required choice, as vLLM's
+        server), and a reasoning model's thinking apart."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
 
         choice = self.request.tool_choice
+        if isinstance(choice, AutoCalls):  # its parser takes the reasoning out too
+            return ChatMessage(role="assistant", **self._shown(self._parsed_reply(choice.new_parser(), choice.request, text, auto=True)))
+        fields: dict[str, Any] = {}
+        if self.request.reasoning is not None:
+            fields = self._shown(self._parsed_reply(self.request.reasoning.new_parser(), self.request.reasoning.request, text, auto=False))
+            text = fields.pop("content", None) or ""
         if isinstance(choice, ForcedCall):  # no output, no call (as vLLM's server)
             call = {"id": choice.call_id, "type": "function", "function": {"name": choice.name, "arguments": text}}
-            return ChatMessage(role="assistant", content="", tool_calls=[call] if text.strip() else [])
+            return ChatMessage(role="assistant", **fields, content="", tool_calls=[call] if text.strip() else [])
         if isinstance(choice, RequiredCalls):
             calls = [{k: v for k, v in call.items() if k != "index"} for call in required_tool_calls(text)]
-            return ChatMessage(role="assistant", content="", tool_calls=calls)
-        if isinstance(choice, AutoCalls):
-            return ChatMessage(role="assistant", **self._auto_reply(choice, text))
-        return ChatMessage(role="assistant", content=text)
+            return ChatMessage(role="assistant", **fields, content="", tool_calls=calls)
+        return ChatMessage(role="assistant", **fields, content=text)
 
-    def _auto_reply(self, choice: AutoCalls, text: str) -> dict[str, Any]:
-        """The whole text through vLLM's parser: the content around the calls, and the calls."""
+    def _parsed_reply(self, parser: Any, request: Any, text: str, auto: bool) -> dict[str, Any]:
+        """The whole text through vLLM's parser: the reasoning, the content around the calls, and
+        the calls (an auto choice's)."""
         try:
-            _, content, found = choice.new_parser().parse(text, choice.request, enable_auto_tools=True)
+            reasoning, content, found = parser.parse(text, request, enable_auto_tools=auto)
         except Exception:
-            logger.exception("request %s: the tool-call parser failed; the reply is sent as content", self.request.response_id)
+            logger.exception("request %s: the reply parser failed; the reply is sent as content", self.request.response_id)
             return {"content": text}
+        fields: dict[str, Any] = {"reasoning": reasoning} if reasoning is not None else {}
         calls = [
             {"id": getattr(fn, "id", None) or new_call_id(), "type": "function", "function": {"name": fn.name, "arguments": fn.arguments}}
-            for fn in found or ()
+            for fn in (found if auto and found else ())
         ]
-        return {"content": content, "tool_calls": calls} if calls else {"content": content if content is not None else text}
+        if calls:
+            return {**fields, "content": content, "tool_calls": calls}
+        return {**fields, "content": content if content is not None or reasoning is not None else text}
 
     # ------------------------------------------------------------------ logprobs
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None) -> Any:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.router.errors import OpenAIError, bad_request
+from serve_app.router.output_parsers import ReasoningSplit
 from serve_app.router.text import PromptEncoder
 from serve_app.router.tools import AutoCalls, ForcedCall, RequiredCalls, ToolChoice, template_tool_calls, template_tools, tool_choice_of
 from serve_app.runtime.private_symbols import unchanged
@@ -80,7 +81,10 @@ class ModelContext:
     # The model's sampling defaults for what a request leaves out (router/sampling_defaults.py).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_tokens_cap: int | None = None  # a bound on every request's max_tokens (the same module)
-    tool_parser: Any = None  # the tool-call parser class "auto" needs (router/tools.py: load_tool_parser)
+    # vLLM's parsers of the replies (router/output_parsers.py): the tool-call parser "auto" needs,
+    # and the reasoning parser of a reasoning model (the decode engines' reasoning_parser).
+    tool_parser: Any = None
+    reasoning_parser: Any = None
     encode: PromptEncoder = field(init=False, repr=False)
     # Longer text cannot fit max_model_len tokens whatever it says (no token spells more
     # characters than the vocabulary's longest): refused before the tokenizer spends time on it.
@@ -116,8 +120,10 @@ class ParsedRequest:
     # vLLM's cache_salt (validated by its protocol: a non-empty string): every engine request of
     # every attempt carries it, and the router's prefix keys start from it.
     cache_salt: str | None = None
-    # A chat request's named or required tool_choice: the output is tool calls (router/tools.py).
+    # A chat request's tool_choice that makes the output tool calls (router/tools.py).
     tool_choice: ToolChoice | None = None
+    # A reasoning model's chat reply: the thinking is split from it (router/output_parsers.py).
+    reasoning: ReasoningSplit | None = None
 
 
 def _longest_token_chars(tokenizer: Any) -> int:
@@ -210,11 +216,19 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     request = _validate(route, body)
     _reject_unsupported(route, request, ctx)
     tool_choice = tool_choice_of(request, ctx.tool_parser, ctx.tokenizer) if route == "chat" else None
+    if tool_choice is not None and not isinstance(tool_choice, AutoCalls):
+        if request.structured_outputs is not None or request.response_format is not None:
+            param = "response_format" if request.response_format is not None else "structured_outputs"
+            raise bad_request(f"This tool_choice constrains the reply to tool calls; {param} cannot be added", param=param)
+    reasoning = None
+    if route == "chat" and ctx.reasoning_parser is not None:
+        reasoning = ReasoningSplit(ctx.reasoning_parser, request, ctx.tokenizer, include=bool(getattr(request, "include_reasoning", True)))
     if isinstance(tool_choice, AutoCalls):
-        _adjust_for_tool_parser(tool_choice)
-    elif tool_choice is not None and (request.structured_outputs is not None or request.response_format is not None):
-        param = "response_format" if request.response_format is not None else "structured_outputs"
-        raise bad_request(f"This tool_choice constrains the reply to tool calls; {param} cannot be added", param=param)
+        _adjust_for_parser(tool_choice.new_parser(), request)
+    elif reasoning is not None:
+        _adjust_for_parser(reasoning.new_parser(), request)
+    # Hidden reasoning: no token ids or logprobs either, which would spell it out (as vLLM's server).
+    hide_tokens = reasoning is not None and not reasoning.include
 
     if route == "chat":
         prompt_token_ids = _chat_prompt_ids(request, ctx)
@@ -251,7 +265,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         params.extra_args = {k: v for k, v in params.extra_args.items() if k not in RESERVED_EXTRA_ARGS} or None
     params.output_kind = RequestOutputKind.DELTA
     params.detokenize = False
-    params.logprobs = logprobs
+    params.logprobs = None if hide_tokens else logprobs
     _check_encodable(params)
     _check_vocabulary(params, ctx)
     _check_grammar_nesting(params)
@@ -271,23 +285,24 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         include_stop_str_in_output=bool(request.include_stop_str_in_output),
         skip_special_tokens=bool(request.skip_special_tokens),
         min_tokens=int(request.min_tokens or 0),
-        logprobs=logprobs,
-        return_token_ids=bool(request.return_token_ids),
+        logprobs=None if hide_tokens else logprobs,
+        return_token_ids=bool(request.return_token_ids) and not hide_tokens,
         cache_salt=request.cache_salt,
         tool_choice=tool_choice,
+        reasoning=reasoning,
     )
 
 
-def _adjust_for_tool_parser(choice: AutoCalls) -> None:
-    """What the model's tool-call parser changes in the request before its sampling parameters are
+def _adjust_for_parser(parser: Any, request: Any) -> None:
+    """What the model's reply parsers change in the request before its sampling parameters are
     built, as on vLLM's server: e.g. hermes keeps special tokens in the text (its call markers may
-    be special tokens), and vLLM 0.32's parsers for formats xgrammar knows hold a call's
+    be special tokens), and vLLM 0.32's tool parsers for formats xgrammar knows hold a call's
     arguments to the tool's schema once the model opens one (a structural tag, which the
     router's grammar bounds then check like a client's)."""
     try:
-        choice.new_parser().adjust_request(choice.request)
+        parser.adjust_request(request)
     except (*_client_errors(), ValueError, TypeError, KeyError) as exc:
-        raise bad_request(f"Invalid tools for this model's tool-call format: {exc}", param="tools") from None
+        raise bad_request(f"Invalid request for this model's reply format: {exc}", param="tools" if request.tools else None) from None
 
 
 def _refuse_reserved(body: dict[str, Any]) -> None:

@@ -31,10 +31,10 @@ from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, erro
 from serve_app.router.framing import SSE_DONE, sse
 from serve_app.router.leak_audit import Discrepancy, LeakAudit
 from serve_app.router.membership import MEMBERSHIP, ReplicaInfo
+from serve_app.router.output_parsers import load_parser
 from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
 from serve_app.router.pool import EnginePool, PrefixRouting
 from serve_app.router.session import ResponseSession
-from serve_app.router.tools import load_tool_parser
 from serve_app.runtime.metrics import RouterMetrics
 from serve_app.wire.protocol import Role
 
@@ -136,6 +136,21 @@ async def sse_body(
     outcome.status = session.status
 
 
+def reply_parsers(config: AppConfig, tokenizer: Any) -> dict[str, Any]:
+    """vLLM's parsers of the model's replies, as ModelContext takes them: the tool-call parser
+    (with the reasoning parser, if any, ahead of it) for tool_choice "auto", and the reasoning
+    parser alone for every other chat reply."""
+    reasoning, reasoning_plugin = config.reasoning_parser
+    router = config.router
+    common = {"reasoning": reasoning, "reasoning_plugin": reasoning_plugin, "model_name": config.model}
+    return {
+        "tool_parser": load_parser(tokenizer, tool=router.tool_call_parser, tool_plugin=router.tool_parser_plugin, **common)
+        if router.tool_call_parser
+        else None,
+        "reasoning_parser": load_parser(tokenizer, **common) if reasoning else None,
+    }
+
+
 class RouterService:
     def __init__(
         self,
@@ -165,7 +180,7 @@ class RouterService:
             trust_request_chat_template=config.router.trust_request_chat_template,
             sampling_defaults=dict(sampling_defaults or {}),
             max_tokens_cap=max_tokens_cap,
-            tool_parser=load_tool_parser(config.router.tool_call_parser, config.router.tool_parser_plugin, tokenizer, config.model),
+            **reply_parsers(config, tokenizer),
         )
         self.metrics = metrics
         audit = LeakAudit(

@@ -74,7 +74,7 @@ class AutoCalls:
     its own format, and vLLM's parser for that format reads the calls out of the text. One parser
     per response (it keeps the stream's state), built by ``new_parser``."""
 
-    parser_cls: Any  # a vllm.parser Parser class (ParserManager.get_parser)
+    parser_cls: Any  # a vllm.parser Parser class (router/output_parsers.py), with the reasoning parser if any
     request: Any  # the vLLM request model the parser reads: tools, tool_choice
     tokenizer: Any
 
@@ -85,35 +85,10 @@ class AutoCalls:
 ToolChoice = ForcedCall | RequiredCalls | AutoCalls
 
 
-def load_tool_parser(name: str | None, plugin: str | None, tokenizer: Any, model_name: str | None = None) -> Any:
-    """The vLLM parser class for ``router.tool_call_parser`` (None without one), checked against the
-    tokenizer at start: a parser whose format needs tokens the tokenizer lacks fails here, once,
-    not on a client's request."""
-    if not name:
-        return None
-    from vllm.parser import ParserManager
-    from vllm.tool_parsers import ToolParserManager
-
-    if plugin:
-        ToolParserManager.import_tool_parser(plugin)
-    try:
-        parser_cls = ParserManager.get_parser(tool_parser_name=name, enable_auto_tools=True, model_name=model_name)
-    except (KeyError, TypeError):
-        parser_cls = None
-    if parser_cls is None:
-        known = ", ".join(ToolParserManager.list_registered())
-        raise ValueError(f"router.tool_call_parser: vLLM has no tool parser named {name!r} (it has: {known})")
-    try:
-        parser_cls(tokenizer, [])
-    except Exception as exc:
-        raise ValueError(f"router.tool_call_parser: the {name!r} parser does not fit the served model's tokenizer: {exc}") from None
-    return parser_cls
-
-
 def tool_choice_of(request: Any, parser_cls: Any = None, tokenizer: Any = None) -> ToolChoice | None:
     """What a chat request's ``tool_choice`` asks of the output (None: text). vLLM's request model
     has already checked the choice's shape and that a named function is among ``tools``.
-    ``parser_cls``: the configured tool-call parser (``load_tool_parser``), which "auto" needs."""
+    ``parser_cls``: the configured tool-call parser (router/output_parsers.py), which "auto" needs."""
     choice = request.tool_choice
     if not request.tools or choice is None or choice == "none":
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -19,13 +20,16 @@ import requests
 
 from serve_app.wire.protocol import EngineRequest, KVReady, TokenDelta
 from serve_app.wire.sampling import encode_sampling
-from tests.support.cluster import deployed, engine_handles, inspect, post, wait_idle
+from tests.support.cluster import deployed, engine_handles, inspect, post, sse_chunks, wait_idle
 
 pytestmark = pytest.mark.engine
 
 ARGS = {
     "served_model_name": "tiny-llama",
     "max_model_len": 2048,
+    # A reasoning model's engine (qwen3's parser; grammars hold its thinking too), for the last
+    # test only: no request of the others is a chat, so this app serves both, one app fewer to start.
+    "engine_kwargs": {"structured_outputs_config": {"reasoning_parser": "qwen3", "enable_in_reasoning": True}},
     "prefill": {"num_replicas": 1, "num_cpus": 0.1},
     "decode": {"num_replicas": 1, "num_cpus": 0.1},
     "router": {"mode": "colocated", "num_cpus": 0.05},
@@ -154,3 +158,32 @@ def test_the_unchanged_request_still_works(app):
     response = requests.post(app.base_url + "/v1/completions", json={"prompt": "The river", "max_tokens": 5}, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
     assert json.loads(json.dumps(response.json()))["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_reasoning_models_thinking_is_split_from_its_answer(app, tiny_tokenizer):
+    """The decode engine's reasoning parser (qwen3) is the router's: a client's regex makes the
+    random model think between <think> tags, then answer, and the reply has the thinking as
+    ``reasoning`` and the answer as ``content``, exactly the text of its tokens, streamed or not;
+    ``include_reasoning: false`` leaves the thinking out, and the token ids that spell it."""
+    words = "[a-z]{2,8}( [a-z]{2,8}){2,6}"
+    body = {
+        "messages": [{"role": "user", "content": "Should I take a coat?"}],
+        "max_tokens": 150,
+        "temperature": 0,
+        "return_token_ids": True,
+        "structured_outputs": {"regex": f"<think>{words}</think>{words}"},
+    }
+    response = post(app, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    reasoning, content = choice["message"]["reasoning"], choice["message"]["content"]
+    assert re.fullmatch(words, reasoning) and re.fullmatch(words, content), choice
+    assert tiny_tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == f"<think>{reasoning}</think>{content}"
+
+    with requests.post(app.base_url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=120) as streamed:
+        deltas = [chunk["choices"][0]["delta"] for chunk in sse_chunks(streamed) if chunk["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == reasoning and "".join(d.get("content") or "" for d in deltas) == content
+
+    hidden = post(app, "/v1/chat/completions", {**body, "include_reasoning": False}).json()["choices"][0]
+    assert hidden["message"]["content"] == content and "reasoning" not in hidden["message"] and "token_ids" not in hidden
+    wait_idle(app)

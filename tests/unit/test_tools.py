@@ -13,32 +13,18 @@ import pytest
 
 from serve_app.router.errors import OpenAIError
 from serve_app.router.framing import ResponseFramer
+from serve_app.router.output_parsers import load_parser
 from serve_app.router.parsing import ModelContext, parse_request
 from serve_app.router.recompute import Emission
 from serve_app.router.tools import (
     AutoCalls,
     RequiredCalls,
     RequiredCallsStream,
-    load_tool_parser,
     no_parameters,
     required_tool_calls,
 )
+from tests.support.chat_replies import HERMES_CALL, MESSAGES, TOOLS, WEATHER, named, reply
 from tests.support.inprocess import App, args, body_of, run
-
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-    "required": ["city", "days"],
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "now"}},
-]
-MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
-
-
-def named(name: str) -> dict:
-    return {"type": "function", "function": {"name": name}}
 
 
 @pytest.fixture
@@ -198,12 +184,9 @@ def test_a_required_reply_cut_short_has_no_calls_and_no_text(tiny_tokenizer):
 
 # ---------------------------------------------------------------- tool_choice "auto", with a parser
 
-HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
-
-
 @pytest.fixture
 def auto_ctx(tiny_tokenizer):
-    parser = load_tool_parser("hermes", None, tiny_tokenizer)
+    parser = load_parser(tiny_tokenizer, tool="hermes")
     return ModelContext(
         name="tiny-llama", aliases=frozenset(), max_model_len=512, vocab_size=1024, tokenizer=tiny_tokenizer, tool_parser=parser
     )
@@ -238,12 +221,14 @@ def test_auto_is_served_with_a_tool_call_parser_as_vllms_server_adjusts_it(auto_
 
 
 def test_a_tool_call_parser_fails_at_start_not_on_a_request(tiny_tokenizer, tmp_path):
-    assert load_tool_parser(None, None, tiny_tokenizer) is None
-    with pytest.raises(ValueError, match=r"no tool parser named 'nope' \(it has: .*hermes"):
-        load_tool_parser("nope", None, tiny_tokenizer)
+    assert load_parser(tiny_tokenizer) is None
+    with pytest.raises(ValueError, match=r"router.tool_call_parser: vLLM has no parser named 'nope' \(it has: .*hermes"):
+        load_parser(tiny_tokenizer, tool="nope")
+    with pytest.raises(ValueError, match=r"reasoning_parser: vLLM has no parser named 'nope' \(it has: .*granite"):
+        load_parser(tiny_tokenizer, tool="hermes", reasoning="nope")
     # llama3_json's calls start with <|python_tag|>, which is no token of the tiny tokenizer.
-    with pytest.raises(ValueError, match="does not fit the served model's tokenizer"):
-        load_tool_parser("llama3_json", None, tiny_tokenizer)
+    with pytest.raises(ValueError, match="'llama3_json' parser does not fit the served model's tokenizer"):
+        load_parser(tiny_tokenizer, tool="llama3_json")
     # A parser of one's own, registered by a plugin file (vLLM's --tool-parser-plugin).
     plugin = tmp_path / "pd_test_tool_parser.py"
     plugin.write_text(
@@ -251,12 +236,7 @@ def test_a_tool_call_parser_fails_at_start_not_on_a_request(tiny_tokenizer, tmp_
         "from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser\n"
         "ToolParserManager.register_module('pd_test_calls', module=type('PdTestCalls', (Hermes2ProToolParser,), {}))\n"
     )
-    assert load_tool_parser("pd_test_calls", str(plugin), tiny_tokenizer).tool_parser_cls.__name__ == "PdTestCalls"
-
-
-def reply(parsed, text: str, finish: str = "stop") -> dict:
-    framer = ResponseFramer(parsed, str)
-    return framer.final(text=text, token_ids=[7] * 3, logprobs=None, finish_reason=finish, stop_reason=None, prompt_tokens=3)["choices"][0]
+    assert load_parser(tiny_tokenizer, tool="pd_test_calls", tool_plugin=str(plugin)).tool_parser_cls.__name__ == "PdTestCalls"
 
 
 def streamed(parsed, text: str, step: int, finish: str = "stop") -> tuple[str, list[tuple[str, str, str]], str | None]:
@@ -328,7 +308,7 @@ def test_a_failing_tool_call_parser_sends_the_text_as_content(auto_ctx, caplog):
     message = reply(parsed, HERMES_CALL)["message"]
     assert message["content"] == HERMES_CALL and not message.get("tool_calls")
     assert streamed(parsed, HERMES_CALL, 5) == (HERMES_CALL, [], "stop")
-    assert "the tool-call parser failed" in caplog.text and parsed.response_id in caplog.text
+    assert "the reply parser failed" in caplog.text and parsed.response_id in caplog.text
 
 
 def test_auto_through_the_router_with_a_parser_configured(tiny_tokenizer):

@@ -1,0 +1,77 @@
+"""vLLM's parsers of a model's reply format, loaded once per router replica: the tool-call parser
+that ``tool_choice: "auto"`` needs (``router.tool_call_parser``), and the reasoning parser that
+splits a reasoning model's thinking from its answer (the decode engines' ``reasoning_parser``).
+
+Both are vLLM's own classes, composed by vLLM's ``ParserManager`` into one ``Parser`` as vLLM's
+server composes them, and called as it calls them (``adjust_request``, then ``parse_delta`` per
+streamed step or ``parse`` on the whole reply). The router runs them on the text of the whole
+client response, one parser per response, so what they read never shows an attempt boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+def load_parser(
+    tokenizer: Any,
+    *,
+    tool: str | None = None,
+    tool_plugin: str | None = None,
+    reasoning: str | None = None,
+    reasoning_plugin: str | None = None,
+    model_name: str | None = None,
+) -> Any:
+    """The vLLM ``Parser`` class for these parsers (None for neither), checked against the
+    tokenizer at start: a parser whose format needs tokens the tokenizer lacks fails here, once,
+    not on a client's request."""
+    if not tool and not reasoning:
+        return None
+    from vllm.parser import ParserManager
+
+    if tool_plugin:
+        from vllm.tool_parsers import ToolParserManager
+
+        ToolParserManager.import_tool_parser(tool_plugin)
+    if reasoning_plugin:
+        from vllm.reasoning import ReasoningParserManager
+
+        ReasoningParserManager.import_reasoning_parser(reasoning_plugin)
+    _check_known(tool, reasoning)
+    parser_cls = ParserManager.get_parser(
+        tool_parser_name=tool, reasoning_parser_name=reasoning, enable_auto_tools=bool(tool), model_name=model_name
+    )
+    try:
+        parser_cls(tokenizer, [])
+    except Exception as exc:
+        which = " and ".join(f"the {name!r} parser" for name in (tool, reasoning) if name)
+        raise ValueError(f"{which} does not fit the served model's tokenizer: {exc}") from None
+    return parser_cls
+
+
+def _check_known(tool: str | None, reasoning: str | None) -> None:
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    for setting, name, manager in (
+        ("router.tool_call_parser", tool, ToolParserManager),
+        ("the decode engines' reasoning_parser", reasoning, ReasoningParserManager),
+    ):
+        if name and name not in manager.list_registered():
+            raise ValueError(f"{setting}: vLLM has no parser named {name!r} (it has: {', '.join(manager.list_registered())})")
+
+
+@dataclass(frozen=True)
+class ReasoningSplit:
+    """A chat reply of a reasoning model: vLLM's reasoning parser takes the thinking out of the
+    text (``reasoning``, sent only if the request's ``include_reasoning``), and what is left is
+    the reply the rest of the framing sees (text, or a named or required choice's calls)."""
+
+    parser_cls: Any  # a vllm.parser Parser class with the reasoning parser alone
+    request: Any  # the vLLM request model the parser reads
+    tokenizer: Any
+    include: bool
+
+    def new_parser(self) -> Any:
+        return self.parser_cls(self.tokenizer, self.request.tools)

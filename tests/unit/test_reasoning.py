@@ -1,0 +1,173 @@
+"""A reasoning model's replies (router/output_parsers.py): the router splits the thinking from the
+answer with the decode engines' reasoning parser, as vLLM's server does with the same parser,
+streamed at any pace or whole, and with every tool choice. test_cdcp.py runs it on real engines.
+
+On vLLM 0.32 with qwen3's parser, whole and fed a token a step and more. vLLM 0.23's qwen3
+parser needs <think> tokens, which the tiny tokenizer lacks, so through test_on_vllm_023.py these
+run granite's on whole replies only: vLLM's streaming granite parser loses or misplaces the
+thinking however the text is cut (as it would on vLLM's own server). test_tools.py streams
+vLLM 0.23's parsers through the same framing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import vllm
+
+from serve_app.config.settings import load_config
+from serve_app.router.output_parsers import load_parser
+from serve_app.router.parsing import ModelContext, parse_request
+from tests.support.chat_replies import HERMES_CALL, MESSAGES, TOOLS, named, reply
+from tests.support.inprocess import App, args, body_of, run
+
+ON_023 = vllm.__version__.startswith("0.23")
+REASONING = "granite" if ON_023 else "qwen3"
+STEPS = () if ON_023 else (1, 2, 3, 1000)  # tokens a step
+
+
+def thinking(thought: str, answer: str) -> str:
+    if ON_023:
+        return f"Here is my thought process: {thought} Here is my response: {answer}"
+    return f"<think>{thought}</think>{answer}"
+
+
+def context(tokenizer, reasoning: str = REASONING, tool: str | None = None) -> ModelContext:
+    return ModelContext(
+        name="tiny-llama",
+        aliases=frozenset(),
+        max_model_len=512,
+        vocab_size=1024,
+        tokenizer=tokenizer,
+        tool_parser=load_parser(tokenizer, tool=tool, reasoning=reasoning) if tool else None,
+        reasoning_parser=load_parser(tokenizer, reasoning=reasoning),
+    )
+
+
+@pytest.fixture
+def ctx(tiny_tokenizer):
+    return context(tiny_tokenizer)
+
+
+def in_steps(tokenizer, text: str, tokens_per_step: int) -> list[tuple[str, list[int]]]:
+    """The text as the router streams it: steps of whole tokens (the parsers read token deltas;
+    vLLM's streaming granite parser, for one, misreads a marker split inside a token)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    steps, done = [], ""
+    for i in range(0, len(ids), tokens_per_step):
+        upto = tokenizer.decode(ids[: i + tokens_per_step])
+        steps.append((upto[len(done) :], ids[i : i + tokens_per_step]))
+        done = upto
+    assert done == text
+    return steps
+
+
+def fed(parsed, steps: list[tuple[str, list[int]]]) -> dict:
+    """The reply streamed in these steps, assembled as a client does."""
+    from serve_app.router.framing import ResponseFramer
+    from serve_app.router.recompute import Emission
+
+    framer = ResponseFramer(parsed, str)
+    out = {"reasoning": "", "content": "", "calls": {}, "finish": None}
+    for i, (text, ids) in enumerate(steps):
+        finish = "stop" if i == len(steps) - 1 else None
+        for chunk in framer.chunks(Emission(text=text, token_ids=ids, finish_reason=finish)):
+            choice = chunk["choices"][0]
+            out["reasoning"] += choice["delta"].get("reasoning") or ""
+            out["content"] += choice["delta"].get("content") or ""
+            for call in choice["delta"].get("tool_calls") or ():
+                one = out["calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+                one["name"] += call["function"].get("name") or ""
+                one["arguments"] += call["function"].get("arguments") or ""
+            out["finish"] = choice["finish_reason"] or out["finish"]
+    out["calls"] = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(out["calls"].items())]
+    return out
+
+
+def test_the_routers_reasoning_parser_is_the_decode_engines():
+    """vLLM's one flag sets the engine's parser (a grammar holds only the answer) and the server's
+    (the reply split): here the router reads the decode engines' engine argument."""
+    assert load_config({}).reasoning_parser == (None, None)
+    assert load_config({"engine_kwargs": {"reasoning_parser": "qwen3"}}).reasoning_parser == ("qwen3", None)
+    structured = {"structured_outputs_config": {"reasoning_parser": "granite", "reasoning_parser_plugin": "/p.py"}}
+    assert load_config({"decode": {"engine_kwargs": structured}}).reasoning_parser == ("granite", "/p.py")
+    # The flat argument wins over structured_outputs_config's, as in vLLM's EngineArgs.
+    config = load_config({"engine_kwargs": {"reasoning_parser": "qwen3"}, "decode": {"engine_kwargs": structured}})
+    assert config.reasoning_parser == ("qwen3", "/p.py")
+
+
+def test_the_thinking_is_split_from_the_answer_streamed_at_any_pace_or_whole(ctx, tiny_tokenizer):
+    parsed = parse_request("chat", {"messages": MESSAGES}, ctx)
+    text = thinking("It is cold.", "Take a coat.")
+    whole = reply(parsed, text)
+    assert (whole["message"]["reasoning"].strip(), whole["message"]["content"].strip()) == ("It is cold.", "Take a coat.")
+    assert whole["finish_reason"] == "stop"
+    for k in STEPS:
+        got = fed(parsed, in_steps(tiny_tokenizer, text, k))
+        assert (got["reasoning"].strip(), got["content"].strip(), got["finish"]) == ("It is cold.", "Take a coat.", "stop"), k
+    # Completions are never split (as on vLLM's server).
+    assert parse_request("completions", {"prompt": "x"}, ctx).reasoning is None
+
+
+def test_include_reasoning_false_leaves_it_out_and_the_tokens_that_spell_it(ctx, tiny_tokenizer):
+    body = {"messages": MESSAGES, "include_reasoning": False, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}
+    parsed = parse_request("chat", body, ctx)
+    assert parsed.logprobs is None and parsed.sampling_params.logprobs is None and not parsed.return_token_ids
+    text = thinking("It is cold.", "Take a coat.")
+    message = reply(parsed, text)["message"]
+    assert "reasoning" not in message and message["content"].strip() == "Take a coat."
+    for k in STEPS:
+        got = fed(parsed, in_steps(tiny_tokenizer, text, k))
+        assert got["reasoning"] == "" and got["content"].strip() == "Take a coat.", k
+
+
+def test_a_named_or_required_call_follows_the_thinking(ctx, tiny_tokenizer):
+    arguments = {"city": "Oslo", "days": 2}
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": named("get_weather")}, ctx)
+    text = thinking("Need the weather.", json.dumps(arguments))
+    message = reply(parsed, text)["message"]
+    assert message["reasoning"].strip() == "Need the weather."
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == arguments
+    for k in STEPS:
+        got = fed(parsed, in_steps(tiny_tokenizer, text, k))
+        assert got["calls"] == [("get_weather", arguments)] and got["reasoning"].strip() == "Need the weather.", k
+        assert got["finish"] == "stop" and not got["content"]
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}, ctx)
+    text = thinking("Need the weather.", json.dumps([{"name": "get_weather", "parameters": arguments}]))
+    whole = reply(parsed, text)
+    assert whole["finish_reason"] == "tool_calls" and json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"]) == arguments
+    for k in STEPS:
+        got = fed(parsed, in_steps(tiny_tokenizer, text, k))
+        assert got["calls"] == [("get_weather", arguments)] and got["finish"] == "tool_calls" and not got["content"], k
+
+
+def test_auto_calls_follow_the_thinking(tiny_tokenizer):
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS}, context(tiny_tokenizer, tool="hermes"))
+    text = thinking("Need a tool.", HERMES_CALL)
+    whole = reply(parsed, text)
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["reasoning"].strip() == "Need a tool."
+    assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo", "days": 2}
+    for k in STEPS:
+        got = fed(parsed, in_steps(tiny_tokenizer, text, k))
+        assert got["calls"] == [("get_weather", {"city": "Oslo", "days": 2})] and got["finish"] == "tool_calls", k
+        assert got["reasoning"].strip() == "Need a tool." and not got["content"].strip()
+
+
+def test_the_router_reads_replies_with_the_engines_parser(tiny_tokenizer):
+    """The decode engines' reasoning_parser reaches the router's parsing, streamed or not. The
+    mock engine writes no markers: qwen3's parser reads that as thinking never ended (Qwen3's
+    template opens it in the prompt), granite's as an answer without thinking."""
+
+    async def body(app: App) -> None:
+        assert app.service.ctx.reasoning_parser is not None
+        plain = {"messages": MESSAGES, "max_tokens": 8}
+        status, data = await body_of(await app.service.http("chat", json.dumps(plain).encode()))
+        message = data["choices"][0]["message"]
+        assert status == 200
+        said = (message.get("reasoning") or "") + (message.get("content") or "")
+        status, events = await body_of(await app.service.http("chat", json.dumps({**plain, "stream": True}).encode()))
+        deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e["choices"]]
+        assert status == 200 and said and "".join((d.get("reasoning") or "") + (d.get("content") or "") for d in deltas) == said
+        assert bool(message.get("reasoning")) is not ON_023
+
+    run(body, args(engine_kwargs={"reasoning_parser": REASONING}), tiny_tokenizer)
