@@ -17,7 +17,7 @@ import importlib
 import inspect
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -556,6 +556,22 @@ def unchanged(names: Iterable[str], log: logging.Logger, without: str) -> bool:
     for problem in problems:
         log.warning("pd-serve runs without %s: a library changed: %s", without, problem)
     return not problems
+
+
+PATCHED = "_pd_serve_patched"
+
+
+def patch_once(owner: Any, name: str, wrap: Callable[[Any], Any], symbols: Iterable[str], log: logging.Logger, without: str) -> bool:
+    """``owner.name = wrap(owner.name)``, once per process (a plug-in may be loaded twice) and only
+    while every symbol the wrapper relies on is as pd-serve expects (``unchanged``). True when it
+    patched."""
+    current = getattr(owner, name)
+    if getattr(current, PATCHED, False) or not unchanged(symbols, log, without):
+        return False
+    wrapped = wrap(current)
+    setattr(wrapped, PATCHED, True)
+    setattr(owner, name, wrapped)
+    return True
 
 
 def _check(symbol: Symbol) -> str | None:

@@ -19,10 +19,10 @@ engines whose threads it binds) and only for explicit core lists, never vLLM's `
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 
 from serve_app.runtime.cpu_placement import BIND_ENV, bind_process, workers_cpus
+from serve_app.vllm_plugins.processes import ENGINE_CORE_PROCESS, named
 
 logger = logging.getLogger("pd_serve.engine")
 
@@ -30,7 +30,7 @@ ENV = "PD_SERVE_ENGINE_CORE_BIND"
 
 
 def install() -> None:
-    if os.environ.get(ENV) != "1" or not multiprocessing.current_process().name.startswith("EngineCore"):
+    if os.environ.get(ENV) != "1" or not named(ENGINE_CORE_PROCESS):
         return
     cpus = workers_cpus(os.environ.get(BIND_ENV, ""))
     if cpus is None:

@@ -24,12 +24,11 @@ business: the plugin stands aside and the resumed attempt's grammar starts over 
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
-from collections.abc import Sequence
 from typing import Any
 
-from serve_app.runtime.private_symbols import unchanged
+from serve_app.runtime.private_symbols import patch_once
+from serve_app.vllm_plugins.processes import in_engine_core
+from serve_app.wire.sampling import earlier_output as marked_tail
 from serve_app.wire.sampling import resumed_output_tokens
 
 logger = logging.getLogger("pd_serve.engine")
@@ -43,13 +42,6 @@ SYMBOLS = (
 )
 
 
-def in_engine_core() -> bool:
-    """The process that runs vLLM's scheduler: the EngineCore process, or a process that runs its
-    engine in-process."""
-    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    return in_process or multiprocessing.current_process().name.startswith("EngineCore")
-
-
 def install() -> None:
     if not in_engine_core():
         return
@@ -57,11 +49,8 @@ def install() -> None:
         from vllm.v1.structured_output import StructuredOutputManager
     except ImportError:  # a vLLM without the V1 engine: nothing to do
         return
-    if getattr(StructuredOutputManager._create_grammar, "_pd_serve_resumed_grammar", False):
-        return
-    if not unchanged(SYMBOLS, logger, "structured output that goes on across a recompute"):
-        return
-    StructuredOutputManager._create_grammar = advancing_by_earlier_output(StructuredOutputManager._create_grammar)
+    without = "structured output that goes on across a recompute"
+    patch_once(StructuredOutputManager, "_create_grammar", advancing_by_earlier_output, SYMBOLS, logger, without)
 
 
 def earlier_output(request: Any) -> list[int]:
@@ -75,10 +64,7 @@ def earlier_output(request: Any) -> list[int]:
     except ValueError:
         logger.warning("structured output: request %s's malformed resumed-attempt mark was ignored", request.request_id)
         return []
-    prompt: Sequence[int] = request.prompt_token_ids or ()
-    if not count or count > len(prompt):
-        return []
-    return list(prompt[len(prompt) - count :])
+    return marked_tail(request.prompt_token_ids or (), count)
 
 
 def advancing_by_earlier_output(create_grammar: Any) -> Any:
@@ -116,5 +102,4 @@ def advancing_by_earlier_output(create_grammar: Any) -> Any:
             logger.exception("structured output: request %s's grammar failed on its earlier output", request.request_id)
         return grammar
 
-    _create_grammar._pd_serve_resumed_grammar = True  # type: ignore[attr-defined]
     return _create_grammar

@@ -27,7 +27,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-from serve_app.wire.sampling import resumed_output_tokens
+from serve_app.wire.sampling import earlier_output, resumed_output_tokens
 
 
 class EarlierOutput:
@@ -50,7 +50,7 @@ class EarlierOutput:
 
     def _start(self, prompt_ids: Sequence[int]) -> None:
         self._ready = True
-        self._earlier = list(prompt_ids[max(0, len(prompt_ids) - self.earlier_tokens) :])
+        self._earlier = earlier_output(prompt_ids, self.earlier_tokens)
         if not (self.presence or self.frequency):
             return
         counts = Counter(self._earlier)

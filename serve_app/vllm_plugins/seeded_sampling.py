@@ -34,11 +34,11 @@ where generators have offsets: nothing here applies.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 from typing import Any
 
-from serve_app.runtime.private_symbols import unchanged
+from serve_app.runtime.private_symbols import patch_once
+from serve_app.vllm_plugins.processes import runs_the_model
 from serve_app.wire.sampling import resumed_output_tokens
 
 logger = logging.getLogger("pd_serve.engine")
@@ -55,14 +55,6 @@ SYMBOLS = (
     f"{_RUNNER}._bookkeeping_sync",
     "vllm.v1.executor.multiproc_executor.WorkerProc.make_worker_process",
 )
-# The name vLLM's multiprocessing executor gives each worker process (WorkerProc.make_worker_process).
-WORKER_PROCESS = "VllmWorker-"
-
-
-def runs_the_model() -> bool:
-    """A vLLM worker process, or a process that runs its engine (and model) in-process."""
-    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    return in_process or multiprocessing.current_process().name.startswith(WORKER_PROCESS)
 
 
 def install() -> None:
@@ -73,12 +65,9 @@ def install() -> None:
         from vllm.v1.worker.gpu_input_batch import CachedRequestState
     except ImportError:  # a vLLM without the V1 worker: nothing to do
         return
-    if getattr(TopKTopPSampler.forward_cpu, "_pd_serve_step_generators", False):
-        return
-    if not unchanged(SYMBOLS, logger, "seeded sampling that survives chunked prefill and a recompute"):
-        return
-    CachedRequestState.__post_init__ = with_step_generator(CachedRequestState.__post_init__)
-    TopKTopPSampler.forward_cpu = marking_steps(TopKTopPSampler.forward_cpu)
+    without = "seeded sampling that survives chunked prefill and a recompute"
+    if patch_once(TopKTopPSampler, "forward_cpu", marking_steps, SYMBOLS, logger, without):
+        CachedRequestState.__post_init__ = with_step_generator(CachedRequestState.__post_init__)
 
 
 def with_step_generator(post_init: Any) -> Any:
@@ -119,5 +108,4 @@ def marking_steps(original: Any) -> Any:
                 generator.before_step(self.use_fp64_gumbel, logits.shape[-1])
         return original(self, logits, generators, k, p)
 
-    forward_cpu._pd_serve_step_generators = True  # type: ignore[attr-defined]
     return forward_cpu

@@ -80,10 +80,10 @@ def _reader_spin_s(default: float) -> float:
     """The engine core waits on its workers for a whole forward pass: spinning through it keeps a
     second core busy for nothing, so it has its own, shorter, bound (``CORE_ENV``). A worker waits
     only for the core's short bookkeeping between two steps and keeps ``ENV``'s."""
-    import multiprocessing
+    from serve_app.vllm_plugins.processes import ENGINE_CORE_PROCESS, named
 
     value = os.environ.get(CORE_ENV)
-    if value and multiprocessing.current_process().name.startswith("EngineCore"):
+    if value and named(ENGINE_CORE_PROCESS):
         return float(value)
     return default
 

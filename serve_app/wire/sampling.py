@@ -9,6 +9,7 @@ vLLM (or torch).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -25,6 +26,14 @@ def resumed_output_tokens(params: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"extra_args.{RESUMED_OUTPUT_TOKENS} must be a non-negative integer, got {value!r}")
     return value
+
+
+def earlier_output(prompt_token_ids: Sequence[int], count: int) -> list[int]:
+    """A resumed attempt's earlier output: the last ``count`` tokens of its prompt (none where the
+    mark is more than the prompt holds)."""
+    if not count or count > len(prompt_token_ids):
+        return []
+    return list(prompt_token_ids[len(prompt_token_ids) - count :])
 
 
 def encode_sampling(params: Any) -> bytes:

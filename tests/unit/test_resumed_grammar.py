@@ -161,7 +161,7 @@ def test_install_patches_only_in_the_engine_core_and_once(monkeypatch):
     monkeypatch.setattr(multiprocessing.current_process(), "name", "EngineCore_DP0")
     install()
     patched = StructuredOutputManager._create_grammar
-    assert patched is not original and patched._pd_serve_resumed_grammar
+    assert patched is not original and patched._pd_serve_patched
     install()
     assert StructuredOutputManager._create_grammar is patched
 

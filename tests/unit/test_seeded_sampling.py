@@ -17,9 +17,9 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
 from serve_app.config.backends import CPU
 from serve_app.vllm_plugins import seeded_sampling
+from serve_app.vllm_plugins.processes import WORKER_PROCESS
 from serve_app.vllm_plugins.seeded_sampling import (
     ENV,
-    WORKER_PROCESS,
     earlier_steps,
     install,
     marking_steps,
