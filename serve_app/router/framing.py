@@ -42,9 +42,9 @@ class ResponseFramer:
         self._prompt_ids_sent = False
         self._call_opened = False  # a named tool choice's call: its first delta sent
         self._required: RequiredCallsStream | None = None  # a required tool choice's calls so far
-        self._auto: Any = None  # an auto tool choice's parser, with the stream's state
-        self._auto_calls = 0  # the calls it has opened
-        self._split: Any = None  # a reasoning model's reply parser, with the stream's state
+        self._parser: Any = None  # vLLM's reply parser (auto tool calls, reasoning), with the stream's state
+        self._parser_failed = False  # it raised: the rest of the text goes on unparsed
+        self._auto_calls = 0  # the calls an auto choice's parser has opened
 
     def _prompt_ids_once(self) -> list[int] | None:
         """The prompt's token ids for the stream's first chunk (``return_token_ids``, as vLLM's
@@ -90,14 +90,14 @@ class ResponseFramer:
         choice's calls as vLLM's parser for the model's format reads them."""
         choice = self.request.tool_choice
         if isinstance(choice, AutoCalls):  # its parser takes the reasoning out too
-            self._auto = self._auto or choice.new_parser()
-            delta = self._parsed_delta(self._auto, choice.request, emission)
-            self._auto_calls += sum(1 for call in delta.get("tool_calls", ()) if call.get("id"))
+            delta = self._parsed_delta(choice.new_parser, choice.request, emission)
+            if "tool_calls" in delta:
+                delta["tool_calls"] = choice.first_call_only(delta["tool_calls"])
+                self._auto_calls += sum(1 for call in delta["tool_calls"] if call.get("id"))
             return self._shown(delta)
         text, out = emission.text, {}
         if self.request.reasoning is not None:
-            self._split = self._split or self.request.reasoning.new_parser()
-            out = self._parsed_delta(self._split, self.request.reasoning.request, emission)
+            out = self._parsed_delta(self.request.reasoning.new_parser, self.request.reasoning.request, emission)
             text = out.pop("content", None) or ""
             out = self._shown(out)
             if choice is None:
@@ -118,24 +118,28 @@ class ResponseFramer:
             tool_call.update(id=choice.call_id, type="function")
         return {**out, "tool_calls": [tool_call]}
 
-    def _parsed_delta(self, parser: Any, request: Any, emission: Emission) -> dict[str, Any]:
+    def _parsed_delta(self, new_parser: Callable[[], Any], request: Any, emission: Emission) -> dict[str, Any]:
         """vLLM's parser on the step's text: content, reasoning, tool calls, or nothing yet (a
         marker, or a call's name, is held until the parser knows what it is). A parser that
-        fails passes the text on as content rather than end a response the engines computed."""
-        try:
-            delta = parser.parse_delta(
-                emission.text,
-                list(emission.token_ids),
-                request,
-                self.request.prompt_token_ids,
-                finished=emission.finish_reason is not None,
-            )
-        except Exception:
-            logger.exception("request %s: the reply parser failed; this step's text is sent as content", self.request.response_id)
-            return {"content": emission.text} if emission.text else {}
-        if delta is None:
-            return {}
-        return {k: v for k, v in delta.model_dump(exclude_none=True).items() if v != []}
+        fails, at its construction or at any step, is not called again (its state lacks the step
+        it failed on): from there the text goes on as content, rather than end a response the
+        engines computed, and the failure is logged once."""
+        if not self._parser_failed:
+            try:
+                self._parser = self._parser or new_parser()
+                delta = self._parser.parse_delta(
+                    emission.text,
+                    list(emission.token_ids),
+                    request,
+                    self.request.prompt_token_ids,
+                    finished=emission.finish_reason is not None,
+                )
+            except Exception:
+                self._parser_failed = True
+                logger.exception("request %s: the reply parser failed; the rest of the text is sent as content", self.request.response_id)
+            else:
+                return {k: v for k, v in delta.model_dump(exclude_none=True).items() if v != []} if delta is not None else {}
+        return {"content": emission.text} if emission.text else {}
 
     def _shown(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Without the reasoning a request asked to leave out (``include_reasoning: false``)."""
@@ -149,10 +153,14 @@ class ResponseFramer:
     def _carries_token_data(self, emission: Emission) -> bool:
         return bool(emission.token_ids and self.request.return_token_ids) or bool(emission.logprobs and self.request.logprobs is not None)
 
-    def _finish_reason(self, finish_reason: str | None, calls: int) -> str | None:
+    def _finish_reason(self, finish_reason: str | None, calls: int, whole: bool = False) -> str | None:
         """OpenAI's: "tool_calls" where a required or an auto choice's calls ended as they should
-        (a named choice's reply ends with "stop")."""
-        calling = isinstance(self.request.tool_choice, RequiredCalls | AutoCalls)
+        (a named choice's reply ends with "stop"). As vLLM's server: a whole (not streamed)
+        reply with an auto choice's calls says "tool_calls" whatever ended it."""
+        choice = self.request.tool_choice
+        if whole and isinstance(choice, AutoCalls) and calls:
+            return "tool_calls"
+        calling = isinstance(choice, RequiredCalls | AutoCalls)
         return "tool_calls" if finish_reason == "stop" and calling and calls else finish_reason
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -244,7 +252,7 @@ class ResponseFramer:
                 index=0,
                 message=message,
                 logprobs=self._chat_logprobs(logprobs),
-                finish_reason=self._finish_reason(finish_reason, len(message.tool_calls or [])),
+                finish_reason=self._finish_reason(finish_reason, len(message.tool_calls or []), whole=True),
                 stop_reason=stop_reason,
                 token_ids=ids,
             )
@@ -289,35 +297,43 @@ class ResponseFramer:
 
         choice = self.request.tool_choice
         if isinstance(choice, AutoCalls):  # its parser takes the reasoning out too
-            return ChatMessage(role="assistant", **self._shown(self._parsed_reply(choice.new_parser(), choice.request, text, auto=True)))
-        fields: dict[str, Any] = {}
-        if self.request.reasoning is not None:
-            fields = self._shown(self._parsed_reply(self.request.reasoning.new_parser(), self.request.reasoning.request, text, auto=False))
-            text = fields.pop("content", None) or ""
+            fields = self._parsed_reply(choice.new_parser, choice.request, text, auto=True)
+            if fields.get("tool_calls"):
+                fields["tool_calls"] = choice.first_call_only(fields["tool_calls"])
+            return ChatMessage(role="assistant", **self._shown(fields))
+        fields = {"content": text}
+        if self.request.reasoning is not None:  # what follows the thinking (None: it never ended)
+            fields = self._shown(self._parsed_reply(self.request.reasoning.new_parser, self.request.reasoning.request, text, auto=False))
+        if choice is None:
+            return ChatMessage(role="assistant", **fields)
+        text = fields.pop("content", None) or ""
         if isinstance(choice, ForcedCall):  # no output, no call (as vLLM's server)
             call = {"id": choice.call_id, "type": "function", "function": {"name": choice.name, "arguments": text}}
             return ChatMessage(role="assistant", **fields, content="", tool_calls=[call] if text.strip() else [])
-        if isinstance(choice, RequiredCalls):
-            calls = [{k: v for k, v in call.items() if k != "index"} for call in required_tool_calls(text)]
-            return ChatMessage(role="assistant", **fields, content="", tool_calls=calls)
-        return ChatMessage(role="assistant", **fields, content=text)
+        calls = [{k: v for k, v in call.items() if k != "index"} for call in required_tool_calls(text)]
+        return ChatMessage(role="assistant", **fields, content="", tool_calls=calls)
 
-    def _parsed_reply(self, parser: Any, request: Any, text: str, auto: bool) -> dict[str, Any]:
+    def _parsed_reply(self, new_parser: Callable[[], Any], request: Any, text: str, auto: bool) -> dict[str, Any]:
         """The whole text through vLLM's parser: the reasoning, the content around the calls, and
-        the calls (an auto choice's)."""
+        the calls (an auto choice's); the content as the parser gives it (None where nothing
+        follows the thinking, or a call cut short was dropped, as on vLLM's server)."""
         try:
+            parser = new_parser()
+            if hasattr(parser, "set_prompt_token_ids"):  # vLLM 0.32: parsers that read the prompt's end
+                parser.set_prompt_token_ids(self.request.prompt_token_ids)
             reasoning, content, found = parser.parse(text, request, enable_auto_tools=auto)
         except Exception:
             logger.exception("request %s: the reply parser failed; the reply is sent as content", self.request.response_id)
             return {"content": text}
-        fields: dict[str, Any] = {"reasoning": reasoning} if reasoning is not None else {}
-        calls = [
-            {"id": getattr(fn, "id", None) or new_call_id(), "type": "function", "function": {"name": fn.name, "arguments": fn.arguments}}
-            for fn in (found if auto and found else ())
-        ]
-        if calls:
-            return {**fields, "content": content, "tool_calls": calls}
-        return {**fields, "content": content if content is not None or reasoning is not None else text}
+        fields: dict[str, Any] = {"content": content}
+        if reasoning is not None:
+            fields["reasoning"] = reasoning
+        if auto and found:
+            fields["tool_calls"] = [
+                {"id": getattr(f, "id", None) or new_call_id(), "type": "function", "function": {"name": f.name, "arguments": f.arguments}}
+                for f in found
+            ]
+        return fields
 
     # ------------------------------------------------------------------ logprobs
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None) -> Any:

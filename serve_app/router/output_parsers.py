@@ -14,6 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def cached_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer as vLLM's server gives its parsers: its vocabulary and special tokens read
+    once, not at every parser's construction."""
+    from vllm.tokenizers.hf import get_cached_tokenizer
+
+    return get_cached_tokenizer(tokenizer)
+
+
 def load_parser(
     tokenizer: Any,
     *,
@@ -71,7 +79,8 @@ class ReasoningSplit:
     parser_cls: Any  # a vllm.parser Parser class with the reasoning parser alone
     request: Any  # the vLLM request model the parser reads
     tokenizer: Any
+    template_kwargs: dict[str, Any]  # what the chat template got (e.g. enable_thinking)
     include: bool
 
     def new_parser(self) -> Any:
-        return self.parser_cls(self.tokenizer, self.request.tools)
+        return self.parser_cls(self.tokenizer, self.request.tools, chat_template_kwargs=self.template_kwargs)

@@ -18,7 +18,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -85,6 +85,9 @@ class ModelContext:
     # and the reasoning parser of a reasoning model (the decode engines' reasoning_parser).
     tool_parser: Any = None
     reasoning_parser: Any = None
+    # The tokenizer they read, cached as vLLM caches its own (parsers read the vocabulary and the
+    # special tokens at every construction: one or two per request); None: ``tokenizer``.
+    parser_tokenizer: Any = None
     encode: PromptEncoder = field(init=False, repr=False)
     # Longer text cannot fit max_model_len tokens whatever it says (no token spells more
     # characters than the vocabulary's longest): refused before the tokenizer spends time on it.
@@ -92,6 +95,7 @@ class ModelContext:
 
     def __post_init__(self) -> None:
         self.encode = PromptEncoder(self.tokenizer)
+        self.parser_tokenizer = self.parser_tokenizer or self.tokenizer
         self.max_prompt_chars = self.max_model_len * _longest_token_chars(self.tokenizer)
 
     def accepts(self, model: str | None) -> bool:
@@ -215,18 +219,20 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
 
     request = _validate(route, body)
     _reject_unsupported(route, request, ctx)
-    tool_choice = tool_choice_of(request, ctx.tool_parser, ctx.tokenizer) if route == "chat" else None
+    parser_kwargs = template_kwargs(request) if route == "chat" else {}
+    tool_choice = tool_choice_of(request, ctx.tool_parser, ctx.parser_tokenizer, parser_kwargs) if route == "chat" else None
     if tool_choice is not None and not isinstance(tool_choice, AutoCalls):
         if request.structured_outputs is not None or request.response_format is not None:
             param = "response_format" if request.response_format is not None else "structured_outputs"
             raise bad_request(f"This tool_choice constrains the reply to tool calls; {param} cannot be added", param=param)
     reasoning = None
     if route == "chat" and ctx.reasoning_parser is not None:
-        reasoning = ReasoningSplit(ctx.reasoning_parser, request, ctx.tokenizer, include=bool(getattr(request, "include_reasoning", True)))
+        include = bool(getattr(request, "include_reasoning", True))
+        reasoning = ReasoningSplit(ctx.reasoning_parser, request, ctx.parser_tokenizer, parser_kwargs, include=include)
     if isinstance(tool_choice, AutoCalls):
-        _adjust_for_parser(tool_choice.new_parser(), request)
+        _adjust_for_parser(tool_choice.new_parser, request)
     elif reasoning is not None:
-        _adjust_for_parser(reasoning.new_parser(), request)
+        _adjust_for_parser(reasoning.new_parser, request)
     # Hidden reasoning: no token ids or logprobs either, which would spell it out (as vLLM's server).
     hide_tokens = reasoning is not None and not reasoning.include
 
@@ -293,14 +299,14 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     )
 
 
-def _adjust_for_parser(parser: Any, request: Any) -> None:
+def _adjust_for_parser(new_parser: Callable[[], Any], request: Any) -> None:
     """What the model's reply parsers change in the request before its sampling parameters are
     built, as on vLLM's server: e.g. hermes keeps special tokens in the text (its call markers may
     be special tokens), and vLLM 0.32's tool parsers for formats xgrammar knows hold a call's
     arguments to the tool's schema once the model opens one (a structural tag, which the
     router's grammar bounds then check like a client's)."""
     try:
-        parser.adjust_request(request)
+        new_parser().adjust_request(request)
     except (*_client_errors(), ValueError, TypeError, KeyError) as exc:
         raise bad_request(f"Invalid request for this model's reply format: {exc}", param="tools" if request.tools else None) from None
 
@@ -533,6 +539,17 @@ def _completion_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
     return ids
 
 
+def template_kwargs(request: Any) -> dict[str, Any]:
+    """The variables the chat template gets besides the conversation, which the model's reply
+    parsers get too (e.g. qwen3's reads ``enable_thinking``), as on vLLM's server."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:  # as vLLM's server: the template reads it (the field wins over the
+        kwargs["reasoning_effort"] = effort  # client's kwargs), and it opts in to thinking
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
+
+
 def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
     conversation = []
     for i, message in enumerate(request.messages):
@@ -561,11 +578,7 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
         if role == "assistant" and isinstance(reasoning, str):
             turn["reasoning"] = turn["reasoning_content"] = reasoning
         conversation.append(turn)
-    kwargs = dict(request.chat_template_kwargs or {})
-    effort = getattr(request, "reasoning_effort", None)
-    if effort is not None:  # as vLLM's server: the template reads it (the field wins over the
-        kwargs["reasoning_effort"] = effort  # client's kwargs), and it opts in to thinking
-        kwargs.setdefault("enable_thinking", effort != "none")
+    kwargs = template_kwargs(request)
     if request.chat_template is not None:  # trusted by the operator (checked above)
         kwargs["chat_template"] = request.chat_template
     client_template = kwargs.get("chat_template") is not None

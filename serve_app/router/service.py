@@ -31,7 +31,7 @@ from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, erro
 from serve_app.router.framing import SSE_DONE, sse
 from serve_app.router.leak_audit import Discrepancy, LeakAudit
 from serve_app.router.membership import MEMBERSHIP, ReplicaInfo
-from serve_app.router.output_parsers import load_parser
+from serve_app.router.output_parsers import cached_tokenizer, load_parser
 from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
 from serve_app.router.pool import EnginePool, PrefixRouting
 from serve_app.router.session import ResponseSession
@@ -142,12 +142,16 @@ def reply_parsers(config: AppConfig, tokenizer: Any) -> dict[str, Any]:
     parser alone for every other chat reply."""
     reasoning, reasoning_plugin = config.reasoning_parser
     router = config.router
+    if not reasoning and not router.tool_call_parser:
+        return {}
+    cached = cached_tokenizer(tokenizer)
     common = {"reasoning": reasoning, "reasoning_plugin": reasoning_plugin, "model_name": config.model}
     return {
-        "tool_parser": load_parser(tokenizer, tool=router.tool_call_parser, tool_plugin=router.tool_parser_plugin, **common)
+        "tool_parser": load_parser(cached, tool=router.tool_call_parser, tool_plugin=router.tool_parser_plugin, **common)
         if router.tool_call_parser
         else None,
-        "reasoning_parser": load_parser(tokenizer, **common) if reasoning else None,
+        "reasoning_parser": load_parser(cached, **common) if reasoning else None,
+        "parser_tokenizer": cached,
     }
 
 

@@ -77,15 +77,25 @@ class AutoCalls:
     parser_cls: Any  # a vllm.parser Parser class (router/output_parsers.py), with the reasoning parser if any
     request: Any  # the vLLM request model the parser reads: tools, tool_choice
     tokenizer: Any
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # what the chat template got
 
     def new_parser(self) -> Any:
-        return self.parser_cls(self.tokenizer, self.request.tools)
+        return self.parser_cls(self.tokenizer, self.request.tools, chat_template_kwargs=self.template_kwargs)
+
+    def first_call_only(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``parallel_tool_calls: false``: the first call alone, as vLLM's server filters them
+        (its grammar need not hold the model to one)."""
+        if self.request.parallel_tool_calls is not False:
+            return calls
+        return [call for i, call in enumerate(calls) if call.get("index", i) == 0]
 
 
 ToolChoice = ForcedCall | RequiredCalls | AutoCalls
 
 
-def tool_choice_of(request: Any, parser_cls: Any = None, tokenizer: Any = None) -> ToolChoice | None:
+def tool_choice_of(
+    request: Any, parser_cls: Any = None, tokenizer: Any = None, template_kwargs: dict[str, Any] | None = None
+) -> ToolChoice | None:
     """What a chat request's ``tool_choice`` asks of the output (None: text). vLLM's request model
     has already checked the choice's shape and that a named function is among ``tools``.
     ``parser_cls``: the configured tool-call parser (router/output_parsers.py), which "auto" needs."""
@@ -95,7 +105,7 @@ def tool_choice_of(request: Any, parser_cls: Any = None, tokenizer: Any = None) 
     if choice == "required":
         return RequiredCalls(schema=required_calls_schema(request.tools, single=request.parallel_tool_calls is False))
     if choice == "auto" and parser_cls is not None:
-        return AutoCalls(parser_cls=parser_cls, request=request, tokenizer=tokenizer)
+        return AutoCalls(parser_cls=parser_cls, request=request, tokenizer=tokenizer, template_kwargs=dict(template_kwargs or {}))
     if isinstance(choice, str):
         raise bad_request(AUTO_REFUSED, param="tool_choice")
     name = choice.function.name

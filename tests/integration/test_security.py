@@ -28,7 +28,7 @@ ARGS = {
     "served_model_name": "tiny-llama",
     "max_model_len": 2048,
     # A reasoning model's engine (qwen3's parser; grammars hold its thinking too), for the last
-    # test only: no request of the others is a chat, so this app serves both, one app fewer to start.
+    # test only: no other test here gets a chat reply, so this app serves both, one app fewer to start.
     "engine_kwargs": {"structured_outputs_config": {"reasoning_parser": "qwen3", "enable_in_reasoning": True}},
     "prefill": {"num_replicas": 1, "num_cpus": 0.1},
     "decode": {"num_replicas": 1, "num_cpus": 0.1},

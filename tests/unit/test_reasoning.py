@@ -10,6 +10,7 @@ vLLM 0.23's parsers through the same framing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -151,6 +152,47 @@ def test_auto_calls_follow_the_thinking(tiny_tokenizer):
         got = fed(parsed, in_steps(tiny_tokenizer, text, k))
         assert got["calls"] == [("get_weather", {"city": "Oslo", "days": 2})] and got["finish"] == "tool_calls", k
         assert got["reasoning"].strip() == "Need a tool." and not got["content"].strip()
+
+
+def test_thinking_off_in_the_template_is_off_for_the_parser(tiny_tokenizer):
+    """The parser gets what the chat template got (``chat_template_kwargs``, and the
+    ``enable_thinking`` that ``reasoning_effort: none`` implies): qwen3's reads a reply without
+    <think> tags as all thinking unless thinking is off, as on vLLM's server."""
+    if ON_023:
+        pytest.skip("vLLM 0.23's qwen3 parser needs <think> tokens, which the tiny tokenizer lacks")
+    ctx = context(tiny_tokenizer)
+    for off in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+        parsed = parse_request("chat", {"messages": MESSAGES, **off}, ctx)
+        message = reply(parsed, "It rains.")["message"]
+        assert message["content"] == "It rains." and not message.get("reasoning"), off
+        for k in STEPS:
+            got = fed(parsed, in_steps(tiny_tokenizer, "It rains.", k))
+            assert (got["reasoning"], got["content"]) == ("", "It rains."), (off, k)
+    # Thinking on (the default), cut short before it ended: reasoning, and content null.
+    message = reply(parse_request("chat", {"messages": MESSAGES}, ctx), "<think>Still thinking", finish="length")["message"]
+    assert message["reasoning"] == "Still thinking" and message["content"] is None
+
+
+def test_reasoning_left_out_of_a_stream_whatever_the_parser_sends(tiny_tokenizer):
+    """``include_reasoning: false`` holds even where vLLM's parser sends the reasoning anyway
+    (vLLM 0.32's drops it itself, 0.23's does not): a parser that always does."""
+    from serve_app.runtime.compat import DeltaMessage
+
+    class Thinker:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def parse_delta(self, delta_text, *args, **kwargs):
+            return DeltaMessage(reasoning=delta_text) if delta_text.startswith("t") else DeltaMessage(content=delta_text)
+
+    ctx = context(tiny_tokenizer)
+    parsed = parse_request("chat", {"messages": MESSAGES, "include_reasoning": False}, ctx)
+    split = dataclasses.replace(parsed.reasoning, parser_cls=Thinker)
+    steps = [("think ", [7]), ("answer", [8])]
+    assert fed(dataclasses.replace(parsed, reasoning=split), steps)["reasoning"] == ""
+    shown = dataclasses.replace(split, include=True)
+    got = fed(dataclasses.replace(parsed, reasoning=shown), steps)
+    assert (got["reasoning"], got["content"]) == ("think ", "answer")
 
 
 def test_the_router_reads_replies_with_the_engines_parser(tiny_tokenizer):

@@ -284,21 +284,30 @@ def test_auto_text_without_a_call_is_content_and_a_call_cut_short_keeps_its_fini
     whole = reply(parsed, plain)
     assert whole["message"]["content"] == plain and not whole["message"].get("tool_calls") and whole["finish_reason"] == "stop"
     assert streamed(parsed, plain, 3) == (plain, [], "stop")
-    # Out of tokens inside a call: "length" says so, as on vLLM's server when streaming.
+    # Out of tokens inside a call: "length" says so, as on vLLM's server when streaming; a whole
+    # reply with a call says "tool_calls" whatever ended it, as vLLM's server does too.
     _, _, finish = streamed(parsed, HERMES_CALL[:-20], 4, finish="length")
     assert finish == "length"
+    assert reply(parsed, HERMES_CALL, finish="length")["finish_reason"] == "tool_calls"
 
 
-def test_a_failing_tool_call_parser_sends_the_text_as_content(auto_ctx, caplog):
+def test_a_failing_tool_call_parser_sends_the_rest_as_content_and_is_logged_once(auto_ctx, caplog):
     """A parser that raises (vLLM's parsers are model-specific code) must not end a response the
-    engines computed: the text goes on as content, and the failure is logged with the request."""
+    engines computed: it is not called again (its state lacks the step it failed on), the text
+    from there on goes on as content (what it held back before is lost), and the failure is
+    logged once, with the request."""
 
     class Broken:
-        def __init__(self, *args):
+        calls = 0
+
+        def __init__(self, *args, **kwargs):
             pass
 
-        def parse_delta(self, *args, **kwargs):
-            raise RuntimeError("broken parser")
+        def parse_delta(self, delta_text, *args, **kwargs):
+            Broken.calls += 1
+            if Broken.calls == 2:
+                raise RuntimeError("broken parser")
+            return None  # holds the text back, as a parser does while it reads a marker
 
         def parse(self, *args, **kwargs):
             raise RuntimeError("broken parser")
@@ -307,8 +316,30 @@ def test_a_failing_tool_call_parser_sends_the_text_as_content(auto_ctx, caplog):
     parsed = dataclasses.replace(parsed, tool_choice=dataclasses.replace(parsed.tool_choice, parser_cls=Broken))
     message = reply(parsed, HERMES_CALL)["message"]
     assert message["content"] == HERMES_CALL and not message.get("tool_calls")
+    caplog.clear()
+    content, calls, finish = streamed(parsed, HERMES_CALL, 5)
+    assert Broken.calls == 2 and content == HERMES_CALL[5:] and calls == [] and finish == "stop"
+    # (Counted by when each was made: after Serve's logging set-up in another test, caplog can see a record twice.)
+    failures = {(r.created, r.getMessage()) for r in caplog.records if "the reply parser failed" in r.getMessage()}
+    assert len(failures) == 1 and parsed.response_id in next(iter(failures))[1], failures
+
+    class Unbuildable(Broken):
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("cannot build")
+
+    parsed = dataclasses.replace(parsed, tool_choice=dataclasses.replace(parsed.tool_choice, parser_cls=Unbuildable))
     assert streamed(parsed, HERMES_CALL, 5) == (HERMES_CALL, [], "stop")
-    assert "the reply parser failed" in caplog.text and parsed.response_id in caplog.text
+
+
+def test_parallel_tool_calls_false_keeps_the_first_auto_call(auto_ctx):
+    """As vLLM's server filters them: the model may write several, the client gets the first."""
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "parallel_tool_calls": False}, auto_ctx)
+    text = HERMES_CALL + "\n" + HERMES_CALL.replace("Oslo", "Bergen")
+    (call,) = reply(parsed, text)["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["city"] == "Oslo"
+    for step in (1, 7, len(text)):
+        _, calls, finish = streamed(parsed, text, step)
+        assert [json.loads(arguments)["city"] for _, _, arguments in calls] == ["Oslo"] and finish == "tool_calls", step
 
 
 def test_auto_through_the_router_with_a_parser_configured(tiny_tokenizer):
