@@ -9,6 +9,7 @@ the same events.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections.abc import Callable
@@ -94,6 +95,8 @@ class ResponseFramer:
             if "tool_calls" in delta:
                 delta["tool_calls"] = choice.first_call_only(delta["tool_calls"])
                 self._auto_calls += sum(1 for call in delta["tool_calls"] if call.get("id"))
+                if not delta["tool_calls"]:  # a later call's, left out
+                    del delta["tool_calls"]
             return self._shown(delta)
         text, out = emission.text, {}
         if self.request.reasoning is not None:
@@ -139,11 +142,15 @@ class ResponseFramer:
                 logger.exception("request %s: the reply parser failed; the rest of the text is sent as content", self.request.response_id)
             else:
                 return {k: v for k, v in delta.model_dump(exclude_none=True).items() if v != []} if delta is not None else {}
-        return {"content": emission.text} if emission.text else {}
+        # Unparsed text may be thinking the request asked to leave out: then none of it.
+        return {"content": emission.text} if emission.text and not self._hides_reasoning() else {}
+
+    def _hides_reasoning(self) -> bool:
+        return self.request.reasoning is not None and not self.request.reasoning.include
 
     def _shown(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Without the reasoning a request asked to leave out (``include_reasoning: false``)."""
-        if self.request.reasoning is not None and not self.request.reasoning.include:
+        if self._hides_reasoning():
             fields.pop("reasoning", None)
         return fields
 
@@ -247,7 +254,7 @@ class ResponseFramer:
                 ChatCompletionResponseChoice,
             )
 
-            message = self._chat_message(text)
+            message = self._chat_message(text, token_ids)
             choice = ChatCompletionResponseChoice(
                 index=0,
                 message=message,
@@ -290,20 +297,21 @@ class ResponseFramer:
                 choice["message"].setdefault("content", None)
         return data
 
-    def _chat_message(self, text: str) -> Any:
+    def _chat_message(self, text: str, token_ids: list[int]) -> Any:
         """The reply: text, or tool calls (content "" for a named or required choice, as vLLM's
         server), and a reasoning model's thinking apart."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
 
         choice = self.request.tool_choice
         if isinstance(choice, AutoCalls):  # its parser takes the reasoning out too
-            fields = self._parsed_reply(choice.new_parser, choice.request, text, auto=True)
+            fields = self._parsed_reply(choice.new_parser, choice.request, text, token_ids, auto=True)
             if fields.get("tool_calls"):
                 fields["tool_calls"] = choice.first_call_only(fields["tool_calls"])
             return ChatMessage(role="assistant", **self._shown(fields))
         fields = {"content": text}
         if self.request.reasoning is not None:  # what follows the thinking (None: it never ended)
-            fields = self._shown(self._parsed_reply(self.request.reasoning.new_parser, self.request.reasoning.request, text, auto=False))
+            split = self.request.reasoning
+            fields = self._shown(self._parsed_reply(split.new_parser, split.request, text, token_ids, auto=False))
         if choice is None:
             return ChatMessage(role="assistant", **fields)
         text = fields.pop("content", None) or ""
@@ -313,7 +321,7 @@ class ResponseFramer:
         calls = [{k: v for k, v in call.items() if k != "index"} for call in required_tool_calls(text)]
         return ChatMessage(role="assistant", **fields, content="", tool_calls=calls)
 
-    def _parsed_reply(self, new_parser: Callable[[], Any], request: Any, text: str, auto: bool) -> dict[str, Any]:
+    def _parsed_reply(self, new_parser: Callable[[], Any], request: Any, text: str, token_ids: list[int], auto: bool) -> dict[str, Any]:
         """The whole text through vLLM's parser: the reasoning, the content around the calls, and
         the calls (an auto choice's); the content as the parser gives it (None where nothing
         follows the thinking, or a call cut short was dropped, as on vLLM's server)."""
@@ -321,10 +329,11 @@ class ResponseFramer:
             parser = new_parser()
             if hasattr(parser, "set_prompt_token_ids"):  # vLLM 0.32: parsers that read the prompt's end
                 parser.set_prompt_token_ids(self.request.prompt_token_ids)
-            reasoning, content, found = parser.parse(text, request, enable_auto_tools=auto)
+            extra = {"model_output_token_ids": token_ids} if _takes(parser.parse, "model_output_token_ids") else {}  # 0.32
+            reasoning, content, found = parser.parse(text, request, enable_auto_tools=auto, **extra)
         except Exception:
             logger.exception("request %s: the reply parser failed; the reply is sent as content", self.request.response_id)
-            return {"content": text}
+            return {"content": None if self._hides_reasoning() else text}
         fields: dict[str, Any] = {"content": content}
         if reasoning is not None:
             fields["reasoning"] = reasoning
@@ -375,6 +384,13 @@ class ResponseFramer:
                 ChatCompletionLogProbsContent(token=token, logprob=json_logprob(lp.logprob), bytes=list(token.encode()), top_logprobs=top)
             )
         return ChatCompletionLogProbs(content=content)
+
+
+def _takes(method: Any, parameter: str) -> bool:
+    try:
+        return parameter in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 MIN_LOGPROB = -9999.0  # what OpenAI and vLLM's server send for an impossible token

@@ -305,8 +305,9 @@ def _adjust_for_parser(new_parser: Callable[[], Any], request: Any) -> None:
     be special tokens), and vLLM 0.32's tool parsers for formats xgrammar knows hold a call's
     arguments to the tool's schema once the model opens one (a structural tag, which the
     router's grammar bounds then check like a client's)."""
+    parser = new_parser()  # (a parser that cannot be built is the server's error, not the client's)
     try:
-        new_parser().adjust_request(request)
+        parser.adjust_request(request)
     except (*_client_errors(), ValueError, TypeError, KeyError) as exc:
         raise bad_request(f"Invalid request for this model's reply format: {exc}", param="tools" if request.tools else None) from None
 

@@ -173,9 +173,9 @@ def test_thinking_off_in_the_template_is_off_for_the_parser(tiny_tokenizer):
     assert message["reasoning"] == "Still thinking" and message["content"] is None
 
 
-def test_reasoning_left_out_of_a_stream_whatever_the_parser_sends(tiny_tokenizer):
+def test_reasoning_left_out_of_a_stream_whatever_the_parser_sends_or_fails_to(tiny_tokenizer):
     """``include_reasoning: false`` holds even where vLLM's parser sends the reasoning anyway
-    (vLLM 0.32's drops it itself, 0.23's does not): a parser that always does."""
+    (vLLM 0.32's drops it itself, 0.23's does not), and where it fails."""
     from serve_app.runtime.compat import DeltaMessage
 
     class Thinker:
@@ -193,6 +193,21 @@ def test_reasoning_left_out_of_a_stream_whatever_the_parser_sends(tiny_tokenizer
     shown = dataclasses.replace(split, include=True)
     got = fed(dataclasses.replace(parsed, reasoning=shown), steps)
     assert (got["reasoning"], got["content"]) == ("think ", "answer")
+
+    class Failing(Thinker):
+        def parse_delta(self, delta_text, *args, **kwargs):
+            raise RuntimeError("broken parser")
+
+        def parse(self, *args, **kwargs):
+            raise RuntimeError("broken parser")
+
+    # A parser that fails cannot tell thinking from answer: where thinking is hidden, none of the
+    # text goes out (it may be thinking); where it is shown, the text goes out as content.
+    hidden = dataclasses.replace(parsed, reasoning=dataclasses.replace(split, parser_cls=Failing))
+    assert fed(hidden, steps) == {"reasoning": "", "content": "", "calls": [], "finish": "stop"}
+    assert reply(hidden, "think answer")["message"]["content"] is None
+    visible = dataclasses.replace(parsed, reasoning=dataclasses.replace(shown, parser_cls=Failing))
+    assert fed(visible, steps)["content"] == "think answer" and reply(visible, "think answer")["message"]["content"] == "think answer"
 
 
 def test_the_router_reads_replies_with_the_engines_parser(tiny_tokenizer):

@@ -324,11 +324,16 @@ def test_a_failing_tool_call_parser_sends_the_rest_as_content_and_is_logged_once
     assert len(failures) == 1 and parsed.response_id in next(iter(failures))[1], failures
 
     class Unbuildable(Broken):
+        builds = 0
+
         def __init__(self, *args, **kwargs):
+            Unbuildable.builds += 1
             raise RuntimeError("cannot build")
 
     parsed = dataclasses.replace(parsed, tool_choice=dataclasses.replace(parsed.tool_choice, parser_cls=Unbuildable))
-    assert streamed(parsed, HERMES_CALL, 5) == (HERMES_CALL, [], "stop")
+    caplog.clear()
+    assert streamed(parsed, HERMES_CALL, 5) == (HERMES_CALL, [], "stop") and Unbuildable.builds == 1
+    assert len({(r.created, r.getMessage()) for r in caplog.records if "the reply parser failed" in r.getMessage()}) == 1
 
 
 def test_parallel_tool_calls_false_keeps_the_first_auto_call(auto_ctx):
