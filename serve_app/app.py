@@ -79,13 +79,12 @@ def _check_tool_parser(config: Any) -> None:
     name = config.router.tool_call_parser
     if not name or config.router.tool_parser_plugin:  # a plugin's parsers exist once it runs, on the router's node
         return
-    from vllm.tool_parsers import ToolParserManager
+    from serve_app.router.output_parsers import check_known
 
-    known = ToolParserManager.list_registered()
-    if name not in known:
-        raise ConfigError(
-            f"invalid pd-serve config: router.tool_call_parser: vLLM has no tool parser named {name!r} (it has: {', '.join(known)})"
-        )
+    try:
+        check_known(tool=name)
+    except ValueError as exc:
+        raise ConfigError(f"invalid pd-serve config: {exc}") from None
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -10,7 +10,7 @@ client response, one parser per response, so what they read never shows an attem
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -46,7 +46,7 @@ def load_parser(
         from vllm.reasoning import ReasoningParserManager
 
         ReasoningParserManager.import_reasoning_parser(reasoning_plugin)
-    _check_known(tool, reasoning)
+    check_known(tool, reasoning)
     parser_cls = ParserManager.get_parser(
         tool_parser_name=tool, reasoning_parser_name=reasoning, enable_auto_tools=bool(tool), model_name=model_name
     )
@@ -58,29 +58,37 @@ def load_parser(
     return parser_cls
 
 
-def _check_known(tool: str | None, reasoning: str | None) -> None:
+def check_known(tool: str | None = None, reasoning: str | None = None) -> None:
+    """ValueError, naming the parsers vLLM has, for a parser name it does not have."""
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
 
-    for setting, name, manager in (
-        ("router.tool_call_parser", tool, ToolParserManager),
-        ("the decode engines' reasoning_parser", reasoning, ReasoningParserManager),
+    for setting, kind, name, manager in (
+        ("router.tool_call_parser", "tool", tool, ToolParserManager),
+        ("the decode engines' reasoning_parser", "reasoning", reasoning, ReasoningParserManager),
     ):
         if name and name not in manager.list_registered():
-            raise ValueError(f"{setting}: vLLM has no parser named {name!r} (it has: {', '.join(manager.list_registered())})")
+            raise ValueError(f"{setting}: vLLM has no {kind} parser named {name!r} (it has: {', '.join(manager.list_registered())})")
 
 
 @dataclass(frozen=True)
-class ReasoningSplit:
+class ParserUse:
+    """One request's use of a vLLM ``Parser`` class: what it is built with, once per response (a
+    parser keeps the stream's state)."""
+
+    parser_cls: Any  # a vllm.parser Parser class (load_parser)
+    request: Any  # the vLLM request model the parser reads: tools, tool_choice, include_reasoning
+    tokenizer: Any
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # what the chat template got (e.g. enable_thinking)
+
+    def new_parser(self) -> Any:
+        return self.parser_cls(self.tokenizer, self.request.tools, chat_template_kwargs=self.template_kwargs)
+
+
+@dataclass(frozen=True)
+class ReasoningSplit(ParserUse):
     """A chat reply of a reasoning model: vLLM's reasoning parser takes the thinking out of the
     text (``reasoning``, sent only if the request's ``include_reasoning``), and what is left is
     the reply the rest of the framing sees (text, or a named or required choice's calls)."""
 
-    parser_cls: Any  # a vllm.parser Parser class with the reasoning parser alone
-    request: Any  # the vLLM request model the parser reads
-    tokenizer: Any
-    template_kwargs: dict[str, Any]  # what the chat template got (e.g. enable_thinking)
-    include: bool
-
-    def new_parser(self) -> Any:
-        return self.parser_cls(self.tokenizer, self.request.tools, chat_template_kwargs=self.template_kwargs)
+    include: bool = True

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.router.errors import bad_request
+from serve_app.router.output_parsers import ParserUse
 
 logger = logging.getLogger("pd_serve.router")
 
@@ -69,18 +70,10 @@ class RequiredCalls:
 
 
 @dataclass(frozen=True)
-class AutoCalls:
-    """``tool_choice: "auto"`` with a tool-call parser: the model may answer in text or call tools in
-    its own format, and vLLM's parser for that format reads the calls out of the text. One parser
-    per response (it keeps the stream's state), built by ``new_parser``."""
-
-    parser_cls: Any  # a vllm.parser Parser class (router/output_parsers.py), with the reasoning parser if any
-    request: Any  # the vLLM request model the parser reads: tools, tool_choice
-    tokenizer: Any
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # what the chat template got
-
-    def new_parser(self) -> Any:
-        return self.parser_cls(self.tokenizer, self.request.tools, chat_template_kwargs=self.template_kwargs)
+class AutoCalls(ParserUse):
+    """``tool_choice: "auto"`` with a tool-call parser (with the reasoning parser, if any, ahead of
+    it): the model may answer in text or call tools in its own format, and vLLM's parser for that
+    format reads the calls out of the text."""
 
     def first_call_only(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``parallel_tool_calls: false``: the first call alone, as vLLM's server filters them

@@ -222,9 +222,9 @@ def test_auto_is_served_with_a_tool_call_parser_as_vllms_server_adjusts_it(auto_
 
 def test_a_tool_call_parser_fails_at_start_not_on_a_request(tiny_tokenizer, tmp_path):
     assert load_parser(tiny_tokenizer) is None
-    with pytest.raises(ValueError, match=r"router.tool_call_parser: vLLM has no parser named 'nope' \(it has: .*hermes"):
+    with pytest.raises(ValueError, match=r"router.tool_call_parser: vLLM has no tool parser named 'nope' \(it has: .*hermes"):
         load_parser(tiny_tokenizer, tool="nope")
-    with pytest.raises(ValueError, match=r"reasoning_parser: vLLM has no parser named 'nope' \(it has: .*granite"):
+    with pytest.raises(ValueError, match=r"reasoning_parser: vLLM has no reasoning parser named 'nope' \(it has: .*granite"):
         load_parser(tiny_tokenizer, tool="hermes", reasoning="nope")
     # llama3_json's calls start with <|python_tag|>, which is no token of the tiny tokenizer.
     with pytest.raises(ValueError, match="'llama3_json' parser does not fit the served model's tokenizer"):
