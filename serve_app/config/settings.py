@@ -281,6 +281,15 @@ class RouterConfig(ScalingConfig):
     num_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(None, description="router replicas (default 1), or 'auto'")
     num_cpus: float = Field(0.1, ge=0)
     max_attempts: int = Field(4, ge=1, le=64, description="attempts per client request (recompute + faults)")
+    max_choices: int = Field(
+        128,
+        ge=1,
+        le=16384,
+        description=(
+            "the most choices one request may ask for (n times its prompts; OpenAI's bound on n is 128): each "
+            "choice is an engine request of its own, so a request over it gets a 400 rather than the engines' whole queue"
+        ),
+    )
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     stats_interval_s: float = Field(0.5, gt=0, description="how often engine stats are polled")
     engine_transport: Literal["http", "grpc", "ray"] = Field(

@@ -49,8 +49,11 @@ class ResponseFramer:
 
     def _prompt_ids_once(self) -> list[int] | None:
         """The prompt's token ids for the stream's first chunk (``return_token_ids``, as vLLM's
-        server sends them), None for every other chunk."""
+        server sends them), None for every other chunk: a completion choice's first chunk (each
+        choice may have its own prompt), a chat response's first choice's (they share one)."""
         if not self.request.return_token_ids or self._prompt_ids_sent:
+            return None
+        if self.request.route == "chat" and self.request.index != 0:
             return None
         self._prompt_ids_sent = True
         return list(self.request.prompt_token_ids)
@@ -188,7 +191,7 @@ class ResponseFramer:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
         choice = CompletionResponseStreamChoice(
-            index=0,
+            index=self.request.index,
             text=emission.text,
             logprobs=self._completion_logprobs(emission.logprobs),
             finish_reason=emission.finish_reason,
@@ -218,7 +221,7 @@ class ResponseFramer:
         from serve_app.runtime.compat import DeltaMessage
 
         choice = ChatCompletionResponseStreamChoice(
-            index=0,
+            index=self.request.index,
             delta=DeltaMessage(**delta),
             logprobs=logprobs,
             finish_reason=finish_reason,
@@ -256,7 +259,7 @@ class ResponseFramer:
 
             message = self._chat_message(text, token_ids)
             choice = ChatCompletionResponseChoice(
-                index=0,
+                index=self.request.index,
                 message=message,
                 logprobs=self._chat_logprobs(logprobs),
                 finish_reason=self._finish_reason(finish_reason, len(message.tool_calls or []), whole=True),
@@ -276,7 +279,7 @@ class ResponseFramer:
 
             self._text_offset = 0
             choice = CompletionResponseChoice(
-                index=0,
+                index=self.request.index,
                 text=text,
                 logprobs=self._completion_logprobs(logprobs),
                 finish_reason=finish_reason,

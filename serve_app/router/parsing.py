@@ -11,6 +11,7 @@ before any engine is touched.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -20,13 +21,22 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from serve_app.router.errors import OpenAIError, bad_request
 from serve_app.router.output_parsers import ReasoningSplit
 from serve_app.router.text import PromptEncoder
-from serve_app.router.tools import AutoCalls, ForcedCall, RequiredCalls, ToolChoice, template_tool_calls, template_tools, tool_choice_of
+from serve_app.router.tools import (
+    AutoCalls,
+    ForcedCall,
+    RequiredCalls,
+    ToolChoice,
+    new_call_id,
+    template_tool_calls,
+    template_tools,
+    tool_choice_of,
+)
 from serve_app.runtime.private_symbols import unchanged
 from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS
 
@@ -81,6 +91,7 @@ class ModelContext:
     # The model's sampling defaults for what a request leaves out (router/sampling_defaults.py).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_tokens_cap: int | None = None  # a bound on every request's max_tokens (the same module)
+    max_choices: int = 128  # router.max_choices: the most choices (n times the prompts) per request
     # vLLM's parsers of the replies (router/output_parsers.py): the tool-call parser "auto" needs,
     # and the reasoning parser of a reasoning model (the decode engines' reasoning_parser).
     tool_parser: Any = None
@@ -128,6 +139,22 @@ class ParsedRequest:
     tool_choice: ToolChoice | None = None
     # A reasoning model's chat reply: the thinking is split from it (router/output_parsers.py).
     reasoning: ReasoningSplit | None = None
+    # Several choices in one response (``n``, several prompts): this one's index (the prompt's
+    # position times n, plus the sample's), n, and the response's other choices, each parsed as
+    # this one (its own prompt, max_tokens and seed).
+    index: int = 0
+    n: int = 1
+    others: tuple[ParsedRequest, ...] = ()
+
+    @property
+    def choices(self) -> tuple[ParsedRequest, ...]:
+        """Every choice of the response, in index order (this one is the first)."""
+        return (self, *self.others)
+
+    @property
+    def engine_request_id(self) -> str:
+        """The id this choice's attempts are named by on the engines (unique per choice)."""
+        return self.response_id if self.n == 1 and not self.others and self.index == 0 else f"{self.response_id}-{self.index}"
 
 
 def _longest_token_chars(tokenizer: Any) -> int:
@@ -236,24 +263,82 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     # Hidden reasoning: no token ids or logprobs either, which would spell it out (as vLLM's server).
     hide_tokens = reasoning is not None and not reasoning.include
 
+    n = 1 if request.n is None else request.n
     if route == "chat":
-        prompt_token_ids = _chat_prompt_ids(request, ctx)
+        _check_choices(1, n, ctx)  # before the template runs
+        prompts = [_chat_prompt_ids(request, ctx)]
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
-        prompt_token_ids = _completion_prompt_ids(request, ctx)
+        prompts = _completion_prompts(request, ctx)
         max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
         logprobs = request.logprobs
-    _check_lengths(prompt_token_ids, max_tokens, max_tokens_param, "messages" if route == "chat" else "prompt", ctx)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+    prompt_param = "messages" if route == "chat" else "prompt"
+    samples = []  # each prompt's (token ids, sampling parameters)
+    for prompt_token_ids in prompts:
+        _check_lengths(prompt_token_ids, max_tokens, max_tokens_param, prompt_param, ctx)
+        params, stops = _sampling_params(request, prompt_token_ids, max_tokens, logprobs, tool_choice, hide_tokens, ctx)
+        samples.append((prompt_token_ids, params))
+    first_params = samples[0][1]
+    prefix = "chatcmpl" if route == "chat" else "cmpl"
+    stream_options = request.stream_options
+    first = ParsedRequest(
+        route=route,
+        response_id=f"{prefix}-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=model or ctx.name,
+        prompt_token_ids=samples[0][0],
+        sampling_params=first_params,
+        max_tokens=first_params.max_tokens,
+        stream=bool(request.stream),
+        include_usage=bool(stream_options and stream_options.include_usage),
+        stops=stops,
+        include_stop_str_in_output=bool(request.include_stop_str_in_output),
+        skip_special_tokens=bool(request.skip_special_tokens),
+        min_tokens=int(request.min_tokens or 0),
+        logprobs=None if hide_tokens else logprobs,
+        return_token_ids=bool(request.return_token_ids) and not hide_tokens,
+        cache_salt=request.cache_salt,
+        tool_choice=tool_choice,
+        reasoning=reasoning,
+        n=n,
+    )
+    if n == 1 and len(samples) == 1:
+        return first
+    choices = [
+        replace(
+            first,
+            index=p * n + i,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=_nth_sample(params, i),
+            max_tokens=params.max_tokens,
+            tool_choice=replace(tool_choice, call_id=new_call_id()) if isinstance(tool_choice, ForcedCall) else tool_choice,
+        )
+        for p, (prompt_token_ids, params) in enumerate(samples)
+        for i in range(n)
+    ]
+    return replace(choices[0], others=tuple(choices[1:]))
+
+
+def _sampling_params(
+    request: Any,
+    prompt_token_ids: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    tool_choice: ToolChoice | None,
+    hide_tokens: bool,
+    ctx: ModelContext,
+) -> tuple[Any, list[str]]:
+    """One prompt's engine sampling parameters (max_tokens, where the request leaves it out, is
+    what that prompt leaves room for), and apart the stop strings, which the router matches."""
     if max_tokens is None:  # the model's default, within the room the context leaves (as vLLM)
         room = ctx.max_model_len - len(prompt_token_ids)
         max_tokens = min(room, int(ctx.sampling_defaults.get("max_tokens") or room))
     if ctx.max_tokens_cap is not None:
         max_tokens = min(max_tokens, ctx.max_tokens_cap)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
-
     try:
         params = request.to_sampling_params(max_tokens, dict(ctx.sampling_defaults))
     except _client_errors() as exc:
@@ -272,31 +357,21 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     params.output_kind = RequestOutputKind.DELTA
     params.detokenize = False
     params.logprobs = None if hide_tokens else logprobs
+    params.n = 1  # the router asks for each choice on its own
     _check_encodable(params)
     _check_vocabulary(params, ctx)
     _check_grammar_nesting(params)
-    prefix = "chatcmpl" if route == "chat" else "cmpl"
-    stream_options = request.stream_options
-    return ParsedRequest(
-        route=route,
-        response_id=f"{prefix}-{uuid.uuid4().hex}",
-        created=int(time.time()),
-        model=model or ctx.name,
-        prompt_token_ids=prompt_token_ids,
-        sampling_params=params,
-        max_tokens=max_tokens,
-        stream=bool(request.stream),
-        include_usage=bool(stream_options and stream_options.include_usage),
-        stops=stops,
-        include_stop_str_in_output=bool(request.include_stop_str_in_output),
-        skip_special_tokens=bool(request.skip_special_tokens),
-        min_tokens=int(request.min_tokens or 0),
-        logprobs=None if hide_tokens else logprobs,
-        return_token_ids=bool(request.return_token_ids) and not hide_tokens,
-        cache_salt=request.cache_salt,
-        tool_choice=tool_choice,
-        reasoning=reasoning,
-    )
+    return params, stops
+
+
+def _nth_sample(params: Any, i: int) -> Any:
+    """The i-th of a prompt's n samples, as vLLM's engine makes them (its ParentRequest): the same
+    parameters, with seed + i where the request is seeded, so that each is reproducible apart."""
+    if i == 0 or params.seed is None:
+        return params
+    sample = copy.copy(params)
+    sample.seed = params.seed + i
+    return sample
 
 
 def _adjust_for_parser(new_parser: Callable[[], Any], request: Any) -> None:
@@ -473,8 +548,8 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
     def refuse(param: str, what: str) -> None:
         raise bad_request(f"{what} is not supported by this server", param=param)
 
-    if request.n != 1:
-        refuse("n", f"n={request.n} (only n=1)")
+    if request.n is not None and request.n < 1:
+        raise bad_request(f"n must be at least 1, got {request.n}", param="n")
     if request.use_beam_search:
         refuse("use_beam_search", "Beam search")
     if request.prompt_logprobs is not None:
@@ -521,22 +596,38 @@ def _check_template_kwargs(request: Any, ctx: ModelContext) -> None:
         raise bad_request(f"chat_template_kwargs.{key} is not a template variable", param=f"chat_template_kwargs.{key}")
 
 
-def _completion_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
+def _completion_prompts(request: Any, ctx: ModelContext) -> list[list[int]]:
+    """The prompts' token ids: one prompt (text or token ids) or a list of them, each a choice (n
+    of them) of the response, as on vLLM's server. The number of choices is checked before any
+    prompt is tokenized."""
     prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"One prompt per request is supported, got {len(prompt)}", param="prompt")
-        prompt = prompt[0]
+    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    _check_choices(len(prompts), 1 if request.n is None else request.n, ctx)
+    where = (lambda i: f"prompt[{i}]") if len(prompts) > 1 else (lambda i: "prompt")
+    return [_completion_prompt_ids(one, request.add_special_tokens, where(i), ctx) for i, one in enumerate(prompts)]
+
+
+def _check_choices(prompts: int, n: int, ctx: ModelContext) -> None:
+    if prompts * n > ctx.max_choices:
+        what = f"n={n}" if prompts == 1 else f"{prompts} prompts" if n == 1 else f"{prompts} prompts times n={n}"
+        raise bad_request(
+            f"{what} asks for {prompts * n} choices; this server allows at most {ctx.max_choices} per request",
+            param="n" if prompts == 1 else "prompt",
+        )
+
+
+def _completion_prompt_ids(prompt: Any, add_special_tokens: bool, where: str, ctx: ModelContext) -> list[int]:
     if isinstance(prompt, str):
         _check_text_length(prompt, "prompt", ctx)
-        ids = ctx.encode(prompt, request.add_special_tokens)
+        ids = ctx.encode(prompt, add_special_tokens)
     else:
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
         if bad:
-            raise bad_request(f"Token id {bad[0]} is out of range [0, {ctx.vocab_size})", param="prompt")
+            of = f" in {where}" if where != "prompt" else ""
+            raise bad_request(f"Token id {bad[0]}{of} is out of range [0, {ctx.vocab_size})", param="prompt")
     if not ids:
-        raise bad_request("The prompt is empty", param="prompt")
+        raise bad_request(f"The {where} is empty" if where != "prompt" else "The prompt is empty", param="prompt")
     return ids
 
 

@@ -26,6 +26,7 @@ from serve_app.config.backends import BACKENDS
 from serve_app.config.settings import AppConfig
 from serve_app.router.balancer import every_line_at_least
 from serve_app.router.cdcp import AttemptExecutor
+from serve_app.router.choices import ChoicesSession
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
 from serve_app.router.framing import SSE_DONE, sse
@@ -48,6 +49,9 @@ OFFLOAD_BYTES = 64 * 1024
 # for each message: a 64 KiB body holds a couple of thousand empty ones). Real conversations of
 # this length are long bodies anyway.
 OFFLOAD_MESSAGES = 64
+# Completion requests with more prompts than this are tokenized in a worker thread whatever their
+# size (each prompt is a tokenizer call and a sampling parameters' build and check).
+MANY_PROMPTS = 8
 PUBLIC_ENGINE_FIELDS = frozenset(
     {
         "role",
@@ -102,7 +106,7 @@ class LastChunk(str):
 
 
 async def sse_body(
-    session: ResponseSession,
+    session: ResponseSession | ChoicesSession,
     first: list[dict[str, Any]],
     batches: AsyncIterator[list[dict[str, Any]]],
     outcome: Outcome,
@@ -184,6 +188,7 @@ class RouterService:
             trust_request_chat_template=config.router.trust_request_chat_template,
             sampling_defaults=dict(sampling_defaults or {}),
             max_tokens_cap=max_tokens_cap,
+            max_choices=config.router.max_choices,
             **reply_parsers(config, tokenizer),
         )
         self.metrics = metrics
@@ -398,15 +403,20 @@ class RouterService:
         return parse_request(route, body, self.ctx)
 
     def _heavy(self, route: Route, body: Any) -> bool:
-        """Whether a small body's chat template could still cost more than a loop turn should."""
+        """Whether a small body's chat template, or its many prompts, could still cost more than a
+        loop turn should."""
         if route != "chat":
-            return False
+            prompt = body.get("prompt") if isinstance(body, dict) else None
+            return isinstance(prompt, list) and len(prompt) > MANY_PROMPTS and isinstance(prompt[0], (str, list))
         if self.ctx.trust_request_chat_template:
             return True
         messages = body.get("messages") if isinstance(body, dict) else None
         return isinstance(messages, list) and len(messages) > OFFLOAD_MESSAGES
 
-    def _session(self, parsed: ParsedRequest, received_at: float | None = None) -> ResponseSession:
+    def _session(self, parsed: ParsedRequest, received_at: float | None = None) -> ResponseSession | ChoicesSession:
+        """The request's session: one choice's, or a response of several choices'."""
+        if parsed.others:
+            return ChoicesSession(parsed, functools.partial(self._session, received_at=received_at), received_at)
         return ResponseSession(
             parsed,
             executor=self.executor,
@@ -449,7 +459,7 @@ class RouterService:
             return status, body
 
     @contextmanager
-    def _in_flight(self, route: Route, session: ResponseSession | None = None) -> Iterator[Outcome]:
+    def _in_flight(self, route: Route, session: ResponseSession | ChoicesSession | None = None) -> Iterator[Outcome]:
         outcome = Outcome()
         self._track(+1)
         try:

@@ -54,7 +54,7 @@ class ResponseSession:
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
         self.machine = RecomputeStateMachine(
-            request_id=request.response_id,
+            request_id=request.engine_request_id,
             prompt_token_ids=request.prompt_token_ids,
             max_tokens=request.max_tokens,
             max_attempts=max_attempts,
@@ -73,6 +73,9 @@ class ResponseSession:
         self._engines: dict[str, None] = {}  # engines that served this request, in order
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
+        # Called once, at the first output token or at the end without one (router/choices.py:
+        # a prompt's other samples wait for it, to find the prompt in the engines' prefix caches).
+        self.on_first_token: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ client-facing
     async def stream_events(self) -> AsyncIterator[dict[str, Any]]:
@@ -166,6 +169,7 @@ class ResponseSession:
                         yield step.emission
                 self._note_outcome(plan.attempt_id, step)
         finally:
+            self._first_token_done()
             self._observe_end()
 
     def _step(self, event: AttemptEvent) -> Step | None:
@@ -258,14 +262,7 @@ class ResponseSession:
 
     # ------------------------------------------------------------------ metrics
     def observe_times(self) -> None:
-        """The request's time, and the router's own share of it: what is left once the waits
-        on engines and on the client are taken out (parsing, tokenizing, the state machine,
-        detokenizing, framing)."""
-        total = time.monotonic() - self._started
-        route = self.request.route
-        self.metrics.request_time.observe(total, tags={"route": route})
-        self.metrics.engine_wait.observe(self.engine_wait_s, tags={"route": route})
-        self.metrics.router_time.observe(max(0.0, total - self.engine_wait_s - self.client_wait_s), tags={"route": route})
+        observe_request_times(self.metrics, self.request.route, self._started, self.engine_wait_s, self.client_wait_s)
 
     def _note_tokens(self, emission: Emission) -> None:
         if emission.token_ids:
@@ -273,7 +270,13 @@ class ResponseSession:
             if self._first_token_at is None:
                 self._first_token_at = now
                 self.metrics.ttft.observe(now - self._started, tags={"route": self.request.route})
+                self._first_token_done()
             self._last_token_at = now
+
+    def _first_token_done(self) -> None:
+        if self.on_first_token is not None:
+            self.on_first_token, call = None, self.on_first_token
+            call()
 
     def _observe_end(self) -> None:
         machine = self.machine
@@ -281,6 +284,16 @@ class ResponseSession:
         n = machine.completion_tokens
         if n > 1 and self._first_token_at is not None and self._last_token_at is not None:
             self.metrics.tpot.observe((self._last_token_at - self._first_token_at) / (n - 1), tags={"route": self.request.route})
+
+
+def observe_request_times(metrics: RouterMetrics, route: str, started: float, engine_wait_s: float, client_wait_s: float) -> None:
+    """A client request's time, and the router's own share of it: what is left once the waits on
+    engines and on the client are taken out (parsing, tokenizing, the state machine,
+    detokenizing, framing)."""
+    total = time.monotonic() - started
+    metrics.request_time.observe(total, tags={"route": route})
+    metrics.engine_wait.observe(engine_wait_s, tags={"route": route})
+    metrics.router_time.observe(max(0.0, total - engine_wait_s - client_wait_s), tags={"route": route})
 
 
 class _EngineWaitClock:

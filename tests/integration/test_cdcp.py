@@ -116,6 +116,44 @@ def test_token_exact_versus_colocated_and_kv_really_transferred(app, baseline_ap
     assert cached_prefix_seen, "no request found its prefix cached on the decode engine"
 
 
+def test_n_seeded_samples_and_several_prompts_through_disaggregated_engines(app, baseline_app):
+    """A prompt's n samples are its one-sample requests seeded seed, seed + 1, ... (as vLLM's
+    engine seeds a prompt's samples), each disaggregated; several prompts come back each at its
+    index with the same tokens as alone; streamed, the same choices."""
+    prompt = token_pattern(200, seed=71)
+    sampled = {"max_tokens": 12, "temperature": 1.0, "seed": 1234, "ignore_eos": True, "return_token_ids": True}
+    response = post(app, "/v1/completions", {"prompt": prompt, "n": 3, **sampled})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    samples = {c["index"]: c["token_ids"] for c in data["choices"]}
+    for i in range(3):
+        alone = post(baseline_app, "/v1/completions", {"prompt": prompt, **sampled, "seed": 1234 + i}).json()
+        assert samples[i] == alone["choices"][0]["token_ids"], i
+    assert len({tuple(tokens) for tokens in samples.values()}) == 3  # three samples, not one thrice
+    assert data["usage"] == {"prompt_tokens": 200, "completion_tokens": 36, "total_tokens": 236}
+    wait_idle(app)
+    attempts = [f"{data['id']}-{i}-1" for i in range(3)]
+    prefill, decode = inspect(app, "prefill", attempts), inspect(app, "decode", attempts)
+    assert any(p["transfers"][attempts[0]] for p in prefill.values())  # the first sample's prompt went to a prefill engine
+    for later in attempts[1:]:  # the others came after it: the prompt's full block was in a cache
+        records = [e["requests"][later] for e in (*prefill.values(), *decode.values()) if e["requests"][later]]
+        assert records and max(r.get("num_cached_tokens") or 0 for r in records) >= BLOCK, (later, records)
+
+    streamed: dict[int, list[int]] = {}
+    response = post(app, "/v1/completions", {"prompt": prompt, "n": 3, **sampled, "stream": True})
+    for chunk in sse_chunks(response):
+        for choice in chunk["choices"]:
+            streamed.setdefault(choice["index"], []).extend(choice.get("token_ids") or [])
+    assert streamed == samples
+
+    prompts = [token_pattern(150, seed=72), token_pattern(60, seed=73)]
+    greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    response = post(app, "/v1/completions", {"prompt": prompts, **greedy})
+    assert response.status_code == 200, response.text
+    assert [c["token_ids"] for c in response.json()["choices"]] == [completion_ids(baseline_app, p)[1] for p in prompts]
+    wait_idle(app)
+
+
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -218,8 +218,8 @@ BAD_INPUTS: list[tuple[str, str | bytes, int, str | None]] = [
     ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 100000}), 400, "max_tokens"),
     ("/v1/completions", json.dumps({"prompt": "hi", "model": "no-such-model"}), 404, "model"),
     ("/v1/completions", json.dumps({"prompt": "the river " * 1200, "max_tokens": 4}), 400, "prompt"),
-    ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}), 400, "n"),
-    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "n": 3}), 400, "n"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "n": 0}), 400, "n"),
+    ("/v1/chat/completions", json.dumps({"messages": MESSAGES, "n": 129}), 400, "n"),
     ("/v1/completions", json.dumps({"prompt": [1, 5, 999999]}), 400, "prompt"),
     ("/v1/completions", json.dumps({"prompt": "hi", "temperature": -1}), 400, "temperature"),
     ("/v1/completions", json.dumps({"prompt": "hi", "stream_options": {"include_usage": True}}), 400, "stream_options"),
@@ -286,7 +286,7 @@ def test_metrics_exported_after_traffic(app, client, cluster):
     labelled with the engine's name and role (README, Monitoring)."""
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True).close()
-    requests.post(app.base_url + "/v1/completions", json={"prompt": "hi", "n": 2}, timeout=30)
+    requests.post(app.base_url + "/v1/completions", json={"prompt": "hi", "n": 0}, timeout=30)
     wanted = [
         ("ray_pd_requests_total{", 'status="200"'),
         ("ray_pd_errors_total{", 'kind="invalid_request"'),

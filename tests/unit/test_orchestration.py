@@ -708,7 +708,7 @@ def test_bad_requests_and_internal_errors_get_openai_errors(tiny_tokenizer, monk
         assert status == 400 and data["error"]["type"] == "invalid_request_error"
         status, data = await body_of(await app.service.http("chat", json.dumps({"messages": []}).encode()))
         assert status == 400 and data["error"]["param"] == "messages"
-        assert (await app.service.complete({"prompt": PROMPT, "n": 3}))["error"]["param"] == "n"
+        assert (await app.service.complete({"prompt": PROMPT, "n": 0}))["error"]["param"] == "n"
         events = [e async for e in app.service.generate({"messages": "nope"})]
         assert len(events) == 1 and events[0]["error"]["code"] == 400
 

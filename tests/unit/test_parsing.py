@@ -84,12 +84,13 @@ def test_structured_output_reaches_the_engines_as_vllm_builds_it(ctx):
     [
         ("completions", {"prompt": "x", "echo": True}, "echo"),
         ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
-        ("completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("completions", {"prompt": ["a"] * 129}, "prompt"),  # more choices than router.max_choices' default
         ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
          "tool_choice"),  # tool_choice "auto", the default with tools: no tool-call parser here
         ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, "messages"),
-        ("completions", {"prompt": "x", "n": 2}, "n"),
+        ("completions", {"prompt": "x", "n": 129, "temperature": 1.0}, "n"),
+        ("completions", {"prompt": "x", "n": 0}, "n"),
         ("completions", {"prompt": ""}, "prompt"),
     ],
 )

@@ -1,0 +1,153 @@
+"""A response of several choices (``n`` > 1, or several completion prompts), as vLLM's server
+answers one: each choice is a ``ResponseSession`` of its own (its own attempts, recomputes and
+framing, its chunks carrying its index), run side by side; their chunks are merged into one
+stream, or their replies into one response with the usage of them all.
+
+vLLM's engine makes a prompt's n samples from one request (its ``ParentRequest``). Here each is
+an engine request, so a prompt's first sample goes first, and the others follow once it has its
+first token: the prompt is then in its engines' prefix caches, and the router's prefix routing
+sends the others where it is. Side by side, a later sample would find only what the engine had
+computed of the prompt by then (a long prompt is computed in chunks) and compute the rest again.
+
+One failure fails the response, as on vLLM's server: the other choices are stopped (their
+engine requests aborted, their leases released) and the client gets the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import replace
+from typing import Any
+
+from serve_app.router.framing import usage
+from serve_app.router.parsing import ParsedRequest
+from serve_app.router.session import ResponseSession, observe_request_times
+
+# Choices being stopped, held until they have (a task the loop alone refers to may be collected).
+_STOPPING: set[asyncio.Task] = set()
+
+
+class ChoicesSession:
+    """The ``ResponseSession`` interface the router's HTTP and handle paths use, over every
+    choice of one response."""
+
+    def __init__(
+        self,
+        request: ParsedRequest,
+        session_of: Callable[[ParsedRequest], ResponseSession],
+        received_at: float | None = None,
+    ) -> None:
+        self.request = request
+        # The usage chunk is the response's, sent once, after every choice has finished.
+        self.sessions = [session_of(replace(choice, include_usage=False, others=())) for choice in request.choices]
+        self._gates: list[asyncio.Event | None] = []
+        for session in self.sessions:
+            if session.request.index % request.n == 0:  # a prompt's first sample
+                first_token = asyncio.Event()
+                session.on_first_token = first_token.set
+                self._gates.append(None)
+            else:
+                self._gates.append(first_token)
+        self.status = 200
+        self.client_wait_s = 0.0
+        self._started = received_at if received_at is not None else time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return all(session.finished for session in self.sessions)
+
+    # ------------------------------------------------------------------ streaming
+    async def stream_events(self) -> AsyncIterator[dict[str, Any]]:
+        async for batch in self.event_batches():
+            for event in batch:
+                yield event
+
+    async def event_batches(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """Each choice's groups of events as they come; a choice's error ends the stream."""
+        queue: asyncio.Queue[tuple[ResponseSession, list[dict[str, Any]] | BaseException | None]] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._stream(session, gate, queue)) for session, gate in zip(self.sessions, self._gates, strict=True)]
+        running = len(tasks)
+        try:
+            while running:
+                session, batch = await queue.get()
+                if batch is None:
+                    running -= 1
+                    continue
+                if isinstance(batch, BaseException):
+                    raise batch
+                if session.status != 200:  # its error event ends its batch: the response ends with it
+                    self.status = session.status
+                    yield batch
+                    return
+                yield batch
+            if self.request.include_usage:
+                yield [self._usage_chunk()]
+        finally:
+            await _stop(tasks)
+
+    @staticmethod
+    async def _stream(session: ResponseSession, gate: asyncio.Event | None, queue: asyncio.Queue) -> None:
+        try:
+            if gate is not None:
+                await gate.wait()
+            async with aclosing(session.event_batches()) as batches:
+                async for batch in batches:
+                    queue.put_nowait((session, batch))
+        except Exception as exc:  # a bug of ours: the response fails as a one-choice response would
+            queue.put_nowait((session, exc))
+        finally:
+            queue.put_nowait((session, None))
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        prompt_tokens, completion_tokens = self._usage()
+        return self.sessions[0].framer.usage_chunk(prompt_tokens, completion_tokens)
+
+    def _usage(self) -> tuple[int, int]:
+        """As vLLM's server counts them: each prompt once, however many samples it has."""
+        prompts = sum(s.machine.prompt_tokens for s in self.sessions if s.request.index % self.request.n == 0)
+        return prompts, sum(s.machine.completion_tokens for s in self.sessions)
+
+    # ------------------------------------------------------------------ whole
+    async def final_response(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body): every choice's reply in one response, or the first error."""
+        tasks = [asyncio.create_task(self._final(session, gate)) for session, gate in zip(self.sessions, self._gates, strict=True)]
+        try:
+            for done in asyncio.as_completed(tasks):
+                status, body = await done
+                if status != 200:
+                    self.status = status
+                    return status, body
+        finally:
+            await _stop(tasks)
+        bodies = [task.result()[1] for task in tasks]
+        response = bodies[0]
+        response["choices"] = [choice for body in bodies for choice in body["choices"]]
+        response["usage"] = usage(*self._usage()).model_dump(mode="json", exclude_none=True)
+        return 200, response
+
+    @staticmethod
+    async def _final(session: ResponseSession, gate: asyncio.Event | None) -> tuple[int, dict[str, Any]]:
+        if gate is not None:
+            await gate.wait()
+        return await session.final_response()
+
+    # ------------------------------------------------------------------ metrics
+    def observe_times(self) -> None:
+        """The response's time once; its engine wait is its longest choice's."""
+        engine_wait_s = max(session.engine_wait_s for session in self.sessions)
+        observe_request_times(self.sessions[0].metrics, self.request.route, self._started, engine_wait_s, self.client_wait_s)
+
+
+async def _stop(tasks: list[asyncio.Task]) -> None:
+    """Cancel the choices still running and wait for them to release what they hold. If this
+    wait is cancelled in turn (the client went away), they finish releasing on their own."""
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+        _STOPPING.add(task)
+        task.add_done_callback(_STOPPING.discard)
+    if pending:
+        await asyncio.wait(pending)
