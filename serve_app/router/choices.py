@@ -102,13 +102,15 @@ class ChoicesSession:
             queue.put_nowait((session, None))
 
     def _usage_chunk(self) -> dict[str, Any]:
-        prompt_tokens, completion_tokens = self._usage()
-        return self.sessions[0].framer.usage_chunk(prompt_tokens, completion_tokens)
+        return self.sessions[0].framer.usage_chunk(*self._usage())
 
-    def _usage(self) -> tuple[int, int]:
-        """As vLLM's server counts them: each prompt once, however many samples it has."""
+    def _usage(self) -> tuple[int, int, int | None]:
+        """As vLLM's server counts them: each prompt once, however many samples it has; every
+        choice's output, and its thinking where the server counts it."""
         prompts = sum(s.machine.prompt_tokens for s in self.sessions if s.request.index % self.request.n == 0)
-        return prompts, sum(s.machine.completion_tokens for s in self.sessions)
+        reasoning = [s.framer.reasoning_tokens(s.machine.output_token_ids) for s in self.sessions]
+        counted = [count for count in reasoning if count is not None]
+        return prompts, sum(s.machine.completion_tokens for s in self.sessions), sum(counted) if counted else None
 
     # ------------------------------------------------------------------ whole
     async def final_response(self) -> tuple[int, dict[str, Any]]:

@@ -173,7 +173,22 @@ class ResponseFramer:
         calling = isinstance(choice, RequiredCalls | AutoCalls)
         return "tool_calls" if finish_reason == "stop" and calling and calls else finish_reason
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def reasoning_tokens(self, token_ids: list[int]) -> int | None:
+        """How many of the reply's tokens are thinking, as vLLM 0.32's server counts them for the
+        usage of every chat reply where it has a reasoning parser (its parser's
+        ``count_reasoning_tokens``); None where it reports none (no reasoning parser; vLLM 0.23)."""
+        split = self.request.reasoning
+        if split is None:
+            return None
+        try:
+            parser = split.new_parser()
+            count = getattr(parser, "count_reasoning_tokens", None)
+            return None if count is None else int(count(tuple(token_ids)))
+        except Exception:  # the count is a courtesy: never fail a reply the engines computed
+            logger.exception("request %s: could not count the reasoning tokens", self.request.response_id)
+            return None
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
         from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse
 
@@ -183,7 +198,7 @@ class ResponseFramer:
             created=self.request.created,
             model=self.request.model,
             choices=[],
-            usage=usage(prompt_tokens, completion_tokens),
+            usage=usage(prompt_tokens, completion_tokens, reasoning_tokens),
         )
         return _dump(chunk)
 
@@ -248,7 +263,7 @@ class ResponseFramer:
         stop_reason: int | str | None,
         prompt_tokens: int,
     ) -> dict[str, Any]:
-        use = usage(prompt_tokens, len(token_ids))
+        use = usage(prompt_tokens, len(token_ids), self.reasoning_tokens(token_ids))
         ids = list(token_ids) if self.request.return_token_ids else None
         prompt_ids = list(self.request.prompt_token_ids) if self.request.return_token_ids else None
         if self.request.route == "chat":
@@ -405,13 +420,17 @@ def json_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Any:
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> Any:
     from serve_app.runtime.compat import UsageInfo
 
+    details = {}
+    if reasoning_tokens is not None and "completion_tokens_details" in UsageInfo.model_fields:  # vLLM 0.32
+        details["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        **details,
     )
 
 

@@ -105,7 +105,8 @@ class ResponseSession:
             yield [self._usage_chunk()]
 
     def _usage_chunk(self) -> dict[str, Any]:
-        return self.framer.usage_chunk(self.machine.prompt_tokens, self.machine.completion_tokens)
+        m = self.machine
+        return self.framer.usage_chunk(m.prompt_tokens, m.completion_tokens, self.framer.reasoning_tokens(m.output_token_ids))
 
     @property
     def finished(self) -> bool:

@@ -110,6 +110,30 @@ def test_the_thinking_is_split_from_the_answer_streamed_at_any_pace_or_whole(ctx
     assert parse_request("completions", {"prompt": "x"}, ctx).reasoning is None
 
 
+def test_usage_counts_the_thinking_as_vllms_server_does(ctx, tiny_tokenizer):
+    """vLLM 0.32's server reports every chat reply's thinking in usage where it has a reasoning
+    parser (its parser's count: qwen3's, the tokens before the end marker); vLLM 0.23's reports
+    none."""
+    from serve_app.router.framing import ResponseFramer
+
+    for body in ({"messages": MESSAGES}, {"messages": MESSAGES, "include_reasoning": False}):
+        parsed = parse_request("chat", body, ctx)
+        for text, thought in ((thinking("It is cold.", "Take a coat."), "It is cold."), (thinking("", "Take a coat."), "")):
+            ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+            usage = ResponseFramer(parsed, str).final(
+                text=text, token_ids=ids, logprobs=None, finish_reason="stop", stop_reason=None, prompt_tokens=3
+            )["usage"]
+            assert usage["completion_tokens"] == len(ids)
+            if ON_023:
+                assert "completion_tokens_details" not in usage
+            else:  # the thought's own tokens, not the markers'
+                thought_tokens = len(tiny_tokenizer.encode(thought, add_special_tokens=False))
+                assert usage["completion_tokens_details"] == {"reasoning_tokens": thought_tokens}
+    # Completions never count it (as on vLLM's server).
+    completion = parse_request("completions", {"prompt": "x"}, ctx)
+    assert "completion_tokens_details" not in ResponseFramer(completion, str).usage_chunk(1, 5)["usage"]
+
+
 def test_include_reasoning_false_leaves_it_out_and_the_tokens_that_spell_it(ctx, tiny_tokenizer):
     body = {"messages": MESSAGES, "include_reasoning": False, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}
     parsed = parse_request("chat", body, ctx)
@@ -217,7 +241,7 @@ def test_the_router_reads_replies_with_the_engines_parser(tiny_tokenizer):
 
     async def body(app: App) -> None:
         assert app.service.ctx.reasoning_parser is not None
-        plain = {"messages": MESSAGES, "max_tokens": 8}
+        plain = {"messages": MESSAGES, "max_tokens": 8, "stream": False}
         status, data = await body_of(await app.service.http("chat", json.dumps(plain).encode()))
         message = data["choices"][0]["message"]
         assert status == 200
@@ -226,5 +250,14 @@ def test_the_router_reads_replies_with_the_engines_parser(tiny_tokenizer):
         deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e["choices"]]
         assert status == 200 and said and "".join((d.get("reasoning") or "") + (d.get("content") or "") for d in deltas) == said
         assert bool(message.get("reasoning")) is not ON_023
+        # Usage counts the thinking (vLLM 0.32): all of it here, streamed or whole, every choice's.
+        details = None if ON_023 else {"reasoning_tokens": 8}
+        assert data["usage"].get("completion_tokens_details") == details
+        streamed = {**plain, "stream": True, "stream_options": {"include_usage": True}}
+        for n, request in ((1, streamed), (2, streamed), (2, plain)):
+            status, got = await body_of(await app.service.http("chat", json.dumps({**request, "n": n, "temperature": 1}).encode()))
+            usage = got[-2]["usage"] if request["stream"] else got["usage"]
+            assert status == 200 and usage["completion_tokens"] == 8 * n
+            assert usage.get("completion_tokens_details") == (details and {"reasoning_tokens": 8 * n})
 
     run(body, args(engine_kwargs={"reasoning_parser": REASONING}), tiny_tokenizer)
