@@ -90,6 +90,7 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cached_tokens: int = 0
+    prompt_logprobs: int | None = None
     kv_ready: bool = True  # False while a disaggregated attempt waits for its push
     transfer: tuple[str, str] | None = None  # (transfer id, secret) while waiting
     deadline: float = 0.0
@@ -142,6 +143,7 @@ class MockEngine:
             min_tokens=int(fields.get("min_tokens") or 0),
             stop_token_ids=frozenset(fields.get("stop_token_ids") or ()),
             logprobs=fields.get("logprobs"),
+            prompt_logprobs=fields.get("prompt_logprobs"),
             recomputes=self.recompute,
         )
         record: dict[str, Any] = {"prompt_tokens": len(seq.prompt), "output_tokens": 0, "finish_reason": None}
@@ -172,6 +174,8 @@ class MockEngine:
                     if seq.logprobs is not None:
                         delta.logprobs = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in tokens]
                     if first:
+                        if seq.prompt_logprobs is not None:  # the mock model's: -0.25 for every prompt token
+                            delta.prompt_logprobs = [None] + [TokenLogprob(t, -0.25, ((t, -0.25),)) for t in seq.prompt[1:]]
                         delta.num_cached_tokens = seq.cached_tokens
                         record["num_cached_tokens"] = seq.cached_tokens
                         first = False

@@ -139,6 +139,8 @@ class VLLMRunner:
                 record["num_cached_tokens"] = out.num_cached_tokens
                 delta = _to_delta(out, num_logprobs)
                 delta.num_cached_tokens = out.num_cached_tokens
+                if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    delta.prompt_logprobs = _prompt_logprobs(request.prompt_token_ids, out.prompt_logprobs, params.prompt_logprobs)
                 # Paced from its first output on: a request still queued or waiting for its KV
                 # sends nothing, and counting it would hold the streams that do (pacing.py).
                 with self.pacer.stream() as pace:
@@ -224,6 +226,12 @@ def _to_delta(out: Any, num_logprobs: int | None) -> TokenDelta:
         finish_reason=finish_reason,
         stop_reason=completion.stop_reason,
     )
+
+
+def _prompt_logprobs(prompt: list[int], positions: list[Any], k: int) -> list[TokenLogprob | None]:
+    """vLLM's prompt logprobs (None at the first position) for the wire: the prompt's own token
+    at each position, with the top k."""
+    return [None if position is None else _to_token_logprob(tid, position, k) for tid, position in zip(prompt, positions)]
 
 
 def _to_token_logprob(token_id: int, position: dict[int, Any], k: int) -> TokenLogprob:

@@ -61,14 +61,21 @@ class ChoicesSession:
 
     # ------------------------------------------------------------------ streaming
     async def stream_events(self) -> AsyncIterator[dict[str, Any]]:
-        async for batch in self.event_batches():
-            for event in batch:
-                yield event
+        async with aclosing(self.event_batches()) as batches:
+            async for batch in batches:
+                for event in batch:
+                    yield event
 
     async def event_batches(self) -> AsyncIterator[list[dict[str, Any]]]:
-        """Each choice's groups of events as they come; a choice's error ends the stream."""
+        """Each choice's groups of events as they come; a choice's error ends the stream. At
+        most one group per choice waits for the client: a client that reads slowly holds the
+        choices back, as it holds a one-choice stream (the engines' output waits in the engines,
+        merged, not in the router as chunks)."""
         queue: asyncio.Queue[tuple[ResponseSession, list[dict[str, Any]] | BaseException | None]] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._stream(session, gate, queue)) for session, gate in zip(self.sessions, self._gates, strict=True)]
+        room = asyncio.Semaphore(len(self.sessions))
+        tasks = [
+            asyncio.create_task(self._stream(session, gate, queue, room)) for session, gate in zip(self.sessions, self._gates, strict=True)
+        ]
         running = len(tasks)
         try:
             while running:
@@ -78,6 +85,7 @@ class ChoicesSession:
                     continue
                 if isinstance(batch, BaseException):
                     raise batch
+                room.release()
                 if session.status != 200:  # its error event ends its batch: the response ends with it
                     self.status = session.status
                     yield batch
@@ -89,16 +97,22 @@ class ChoicesSession:
             await _stop(tasks)
 
     @staticmethod
-    async def _stream(session: ResponseSession, gate: asyncio.Event | None, queue: asyncio.Queue) -> None:
+    async def _stream(session: ResponseSession, gate: asyncio.Event | None, queue: asyncio.Queue, room: asyncio.Semaphore) -> None:
+        """One choice's groups into ``queue``, each once there is ``room``; its end (None, or the
+        exception it raised) whatever happens."""
+        end: BaseException | None = None
         try:
             if gate is not None:
                 await gate.wait()
             async with aclosing(session.event_batches()) as batches:
                 async for batch in batches:
+                    await room.acquire()
                     queue.put_nowait((session, batch))
         except Exception as exc:  # a bug of ours: the response fails as a one-choice response would
-            queue.put_nowait((session, exc))
+            end = exc
         finally:
+            if end is not None:
+                queue.put_nowait((session, end))
             queue.put_nowait((session, None))
 
     def _usage_chunk(self) -> dict[str, Any]:

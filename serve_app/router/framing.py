@@ -46,14 +46,12 @@ class ResponseFramer:
         self._parser: Any = None  # vLLM's reply parser (auto tool calls, reasoning), with the stream's state
         self._parser_failed = False  # it raised: the rest of the text goes on unparsed
         self._auto_calls = 0  # the calls an auto choice's parser has opened
+        self._echoed = False  # the echo (ParsedRequest.echo) has been sent
 
     def _prompt_ids_once(self) -> list[int] | None:
-        """The prompt's token ids for the stream's first chunk (``return_token_ids``, as vLLM's
-        server sends them), None for every other chunk: a completion choice's first chunk (each
-        choice may have its own prompt), a chat response's first choice's (they share one)."""
+        """The prompt's token ids for each choice's first chunk (``return_token_ids``, as vLLM's
+        server sends them), None for every other chunk."""
         if not self.request.return_token_ids or self._prompt_ids_sent:
-            return None
-        if self.request.route == "chat" and self.request.index != 0:
             return None
         self._prompt_ids_sent = True
         return list(self.request.prompt_token_ids)
@@ -69,6 +67,8 @@ class ResponseFramer:
             if visible and not self._role_sent:
                 self._role_sent = True
                 out.append(self._chat_chunk({"role": "assistant", "content": ""}, None, None, None))
+                if self.request.echo:  # the last message, as its own chunk (as vLLM's server)
+                    out.append(self._chat_chunk({"content": self.request.echo}, None, None, None))
             if visible:
                 delta = self._chat_delta(emission)
                 if not delta and not emission.finish_reason and not self._carries_token_data(emission):
@@ -205,16 +205,20 @@ class ResponseFramer:
     def _completion_chunk(self, emission: Emission) -> dict[str, Any]:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
+        text, prompt_logprobs = emission.text, None
+        if self.request.echo is not None and not self._echoed:  # the prompt, in the first chunk
+            self._echoed = True
+            text = self.request.echo + text
+            prompt_logprobs = self._prompt_logprobs(emission.prompt_logprobs)
         choice = CompletionResponseStreamChoice(
             index=self.request.index,
-            text=emission.text,
-            logprobs=self._completion_logprobs(emission.logprobs),
+            text=text,
+            logprobs=self._completion_logprobs(emission.logprobs, prompt_logprobs),
             finish_reason=emission.finish_reason,
             stop_reason=emission.stop_reason,
             token_ids=list(emission.token_ids) if self.request.return_token_ids else None,
             prompt_token_ids=self._prompt_ids_once(),
         )
-        self._text_offset += len(emission.text)
         chunk = CompletionStreamResponse(
             id=self.request.response_id, created=self.request.created, model=self.request.model, choices=[choice]
         )
@@ -262,6 +266,7 @@ class ResponseFramer:
         finish_reason: str | None,
         stop_reason: int | str | None,
         prompt_tokens: int,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> dict[str, Any]:
         use = usage(prompt_tokens, len(token_ids), self.reasoning_tokens(token_ids))
         ids = list(token_ids) if self.request.return_token_ids else None
@@ -293,10 +298,11 @@ class ResponseFramer:
             from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
 
             self._text_offset = 0
+            echo = self.request.echo
             choice = CompletionResponseChoice(
                 index=self.request.index,
-                text=text,
-                logprobs=self._completion_logprobs(logprobs),
+                text=text if echo is None else echo + text,
+                logprobs=self._completion_logprobs(logprobs, None if echo is None else self._prompt_logprobs(prompt_logprobs)),
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,
                 token_ids=ids,
@@ -313,6 +319,8 @@ class ResponseFramer:
         for choice in data["choices"]:
             if "message" in choice:  # OpenAI's message always has content: null beside tool calls
                 choice["message"].setdefault("content", None)
+                if self.request.echo:  # the last message before the reply (as vLLM's server)
+                    choice["message"]["content"] = self.request.echo + (choice["message"]["content"] or "")
         return data
 
     def _chat_message(self, text: str, token_ids: list[int]) -> Any:
@@ -363,23 +371,43 @@ class ResponseFramer:
         return fields
 
     # ------------------------------------------------------------------ logprobs
-    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None) -> Any:
+    def _prompt_logprobs(self, prompt_logprobs: list[TokenLogprob | None] | None) -> list[tuple[int, TokenLogprob | None]] | None:
+        """An echoed prompt's tokens and their logprobs (where the request wants logprobs); None
+        where the engines gave none (logged: vLLM's server would fail the request instead)."""
+        if self.request.logprobs is None:
+            return None
+        ids = self.request.prompt_token_ids
+        if prompt_logprobs is None or len(prompt_logprobs) != len(ids):
+            logger.warning("request %s: the engine gave no logprobs of the echoed prompt", self.request.response_id)
+            prompt_logprobs = [None] * len(ids)
+        return list(zip(ids, prompt_logprobs, strict=True))
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, prompt: list[tuple[int, TokenLogprob | None]] | None = None) -> Any:
+        """The legacy API's logprobs of these tokens, after an echoed prompt's (``prompt``: its
+        first token, which nothing predicts, has none)."""
         if logprobs is None or self.request.logprobs is None:
             return None
         from vllm.entrypoints.openai.completion.protocol import CompletionLogProbs
 
         out = CompletionLogProbs()
         offset = self._text_offset
-        for lp in logprobs:
-            token = self.token_text(lp.token_id)
+        for token_id, lp in [*(prompt or ()), *((lp.token_id, lp) for lp in logprobs)]:
+            token = self.token_text(token_id)
             out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
             out.token_logprobs.append(json_logprob(lp.logprob))
             # The legacy API's top_logprobs always holds the sampled token, beside the top k.
             top = {token: json_logprob(lp.logprob)}
             top.update((self.token_text(tid), json_logprob(value)) for tid, value in lp.top if tid != lp.token_id)
             out.top_logprobs.append(top)
-            out.text_offset.append(offset)
-            offset += len(token)
+        # The next chunk's offsets go on from these tokens' text, as vLLM's server counts them
+        # (not from the text sent, which lags the tokens while a stop string may be forming).
+        self._text_offset = offset
         return out
 
     def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> Any:

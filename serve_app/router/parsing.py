@@ -144,7 +144,13 @@ class ParsedRequest:
     # this one (its own prompt, max_tokens and seed).
     index: int = 0
     n: int = 1
+    count: int = 1  # the response's choices
     others: tuple[ParsedRequest, ...] = ()
+    # ``echo``: the text the reply starts with, as on vLLM's server: a completion's prompt ("" with
+    # return_token_ids, which carry it), a chat request's last message where its role is the
+    # reply's; None without echo. A completion's echo with logprobs asks the engine for the
+    # prompt's logprobs too (``sampling_params.prompt_logprobs``).
+    echo: str | None = None
 
     @property
     def choices(self) -> tuple[ParsedRequest, ...]:
@@ -154,7 +160,7 @@ class ParsedRequest:
     @property
     def engine_request_id(self) -> str:
         """The id this choice's attempts are named by on the engines (unique per choice)."""
-        return self.response_id if self.n == 1 and not self.others and self.index == 0 else f"{self.response_id}-{self.index}"
+        return self.response_id if self.count == 1 else f"{self.response_id}-{self.index}"
 
 
 def _longest_token_chars(tokenizer: Any) -> int:
@@ -276,11 +282,15 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         logprobs = request.logprobs
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+    echoes = _echoes(route, request, prompts, ctx)
+    # Only a completion's echo reads the prompt's logprobs (vLLM's chat echo asks for them too, and
+    # sends them in a field of its own, which pd-serve has not: a client's prompt_logprobs is refused).
+    prompt_logprobs = logprobs if route == "completions" and request.echo else None
     prompt_param = "messages" if route == "chat" else "prompt"
     samples = []  # each prompt's (token ids, sampling parameters)
     for prompt_token_ids in prompts:
         _check_lengths(prompt_token_ids, max_tokens, max_tokens_param, prompt_param, ctx)
-        params, stops = _sampling_params(request, prompt_token_ids, max_tokens, logprobs, tool_choice, hide_tokens, ctx)
+        params, stops = _sampling_params(request, prompt_token_ids, max_tokens, logprobs, prompt_logprobs, tool_choice, hide_tokens, ctx)
         samples.append((prompt_token_ids, params))
     first_params = samples[0][1]
     prefix = "chatcmpl" if route == "chat" else "cmpl"
@@ -305,6 +315,8 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         tool_choice=tool_choice,
         reasoning=reasoning,
         n=n,
+        count=len(samples) * n,
+        echo=echoes[0],
     )
     if n == 1 and len(samples) == 1:
         return first
@@ -316,6 +328,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
             sampling_params=_nth_sample(params, i),
             max_tokens=params.max_tokens,
             tool_choice=replace(tool_choice, call_id=new_call_id()) if isinstance(tool_choice, ForcedCall) else tool_choice,
+            echo=echoes[p],
         )
         for p, (prompt_token_ids, params) in enumerate(samples)
         for i in range(n)
@@ -328,6 +341,7 @@ def _sampling_params(
     prompt_token_ids: list[int],
     max_tokens: int | None,
     logprobs: int | None,
+    prompt_logprobs: int | None,
     tool_choice: ToolChoice | None,
     hide_tokens: bool,
     ctx: ModelContext,
@@ -357,6 +371,7 @@ def _sampling_params(
     params.output_kind = RequestOutputKind.DELTA
     params.detokenize = False
     params.logprobs = None if hide_tokens else logprobs
+    params.prompt_logprobs = prompt_logprobs
     params.n = 1  # the router asks for each choice on its own
     _check_encodable(params)
     _check_vocabulary(params, ctx)
@@ -571,8 +586,6 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
             refuse(name, name)
     if request.stream_options is not None and getattr(request.stream_options, "continuous_usage_stats", False):
         refuse("stream_options.continuous_usage_stats", "stream_options.continuous_usage_stats (usage in every chunk)")
-    if request.echo:  # completions: the prompt before the output; chat: the last message before the reply
-        refuse("echo", "echo")
     if route == "completions":
         if request.suffix is not None:
             refuse("suffix", "suffix")
@@ -596,12 +609,30 @@ def _check_template_kwargs(request: Any, ctx: ModelContext) -> None:
         raise bad_request(f"chat_template_kwargs.{key} is not a template variable", param=f"chat_template_kwargs.{key}")
 
 
+def _raw_prompts(request: Any) -> list[Any]:
+    prompt = request.prompt
+    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+
+
+def _echoes(route: Route, request: Any, prompts: list[list[int]], ctx: ModelContext) -> list[str | None]:
+    """Each prompt's ``echo`` text (ParsedRequest.echo), as vLLM's server writes it."""
+    if not request.echo:
+        return [None] * len(prompts)
+    if route == "chat":
+        last = request.messages[-1]
+        field_of = last.get if isinstance(last, dict) else lambda name: getattr(last, name, None)
+        role = "assistant" if request.add_generation_prompt else field_of("role")
+        return [_text_content(field_of("content"), len(request.messages) - 1) if field_of("role") == role else ""]
+    if request.return_token_ids:  # the prompt's token ids carry it
+        return [""] * len(prompts)
+    return [raw if isinstance(raw, str) else ctx.tokenizer.decode(ids) for raw, ids in zip(_raw_prompts(request), prompts, strict=True)]
+
+
 def _completion_prompts(request: Any, ctx: ModelContext) -> list[list[int]]:
     """The prompts' token ids: one prompt (text or token ids) or a list of them, each a choice (n
     of them) of the response, as on vLLM's server. The number of choices is checked before any
     prompt is tokenized."""
-    prompt = request.prompt
-    prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    prompts = _raw_prompts(request)
     _check_choices(len(prompts), 1 if request.n is None else request.n, ctx)
     where = (lambda i: f"prompt[{i}]") if len(prompts) > 1 else (lambda i: "prompt")
     return [_completion_prompt_ids(one, request.add_special_tokens, where(i), ctx) for i, one in enumerate(prompts)]

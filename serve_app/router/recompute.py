@@ -67,6 +67,8 @@ class Emission:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The prompt's logprobs (a completion's echo with logprobs), with the response's first tokens.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # the response failed; the message for the client
     error_status: int = 500  # and the HTTP status that failure maps to
 
@@ -114,6 +116,10 @@ class RecomputeStateMachine:
         self.attempts = 0
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[TokenLogprob] = []
+        # The prompt's logprobs, from the first attempt that gives them (only an attempt on the
+        # original prompt is asked for them), and whether an emission has carried them yet.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self._prompt_logprobs_sent = False
         self.text = ""  # released so far
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -181,6 +187,10 @@ class RecomputeStateMachine:
         if engine is not None:
             self._last_engine = engine
         emission = Emission(logprobs=[] if self._want_logprobs else None)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None and not self.output_token_ids:
+            self.prompt_logprobs = list(delta.prompt_logprobs[: self.prompt_tokens])
+        if self.prompt_logprobs is not None and not self._prompt_logprobs_sent and delta.token_ids:
+            emission.prompt_logprobs, self._prompt_logprobs_sent = self.prompt_logprobs, True
         # An engine's own "stop" (stop_reason None or an int) is a stop token, EOS or one of
         # stop_token_ids (stop strings are the router's; "recomputed" and "moved" are not an end):
         # its text is left out unless include_stop_str_in_output, as vLLM's detokenizer does.

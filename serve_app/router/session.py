@@ -76,13 +76,15 @@ class ResponseSession:
         # Called once, at the first output token or at the end without one (router/choices.py:
         # a prompt's other samples wait for it, to find the prompt in the engines' prefix caches).
         self.on_first_token: Callable[[], None] | None = None
+        self._without_prompt_logprobs: Any = None  # the parameters once the prompt's logprobs are in
 
     # ------------------------------------------------------------------ client-facing
     async def stream_events(self) -> AsyncIterator[dict[str, Any]]:
         """Stream chunks; a failure ends the stream with an error event."""
-        async for batch in self.event_batches():
-            for event in batch:
-                yield event
+        async with aclosing(self.event_batches()) as batches:
+            async for batch in batches:
+                for event in batch:
+                    yield event
 
     async def event_batches(self) -> AsyncIterator[list[dict[str, Any]]]:
         """The stream's events, grouped as they become ready together: one step's chunks (chat:
@@ -90,17 +92,18 @@ class ResponseSession:
         response, so that an HTTP stream sends each group in one write. Once a group leaves with
         ``finished`` set, what follows waits on no engine."""
         usage_due = self.request.include_usage
-        async for emission in self.emissions():
-            batch = self.framer.chunks(emission)
-            if emission.error is not None:
-                batch.append(self._error(emission))
-                yield batch
-                return
-            if usage_due and self.machine.finished:
-                usage_due = False
-                batch.append(self._usage_chunk())
-            if batch:
-                yield batch
+        async with aclosing(self.emissions()) as emissions:  # its attempt released on every way out
+            async for emission in emissions:
+                batch = self.framer.chunks(emission)
+                if emission.error is not None:
+                    batch.append(self._error(emission))
+                    yield batch
+                    return
+                if usage_due and self.machine.finished:
+                    usage_due = False
+                    batch.append(self._usage_chunk())
+                if batch:
+                    yield batch
         if usage_due:
             yield [self._usage_chunk()]
 
@@ -115,9 +118,10 @@ class ResponseSession:
 
     async def final_response(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of a non-streaming request."""
-        async for emission in self.emissions():
-            if emission.error is not None:
-                return emission.error_status, self._error(emission)
+        async with aclosing(self.emissions()) as emissions:
+            async for emission in emissions:
+                if emission.error is not None:
+                    return emission.error_status, self._error(emission)
         m = self.machine
         return 200, self.framer.final(
             text=m.text,
@@ -126,6 +130,7 @@ class ResponseSession:
             finish_reason=m.finish_reason,
             stop_reason=m.stop_reason,
             prompt_tokens=m.prompt_tokens,
+            prompt_logprobs=m.prompt_logprobs,
         )
 
     def _error(self, emission: Emission) -> dict[str, Any]:
@@ -138,7 +143,10 @@ class ResponseSession:
         deadline = self._started + self.request_timeout_s
         try:
             while not machine.finished:
-                plan = machine.start_attempt(self.choose_disaggregated(machine.prompt_tokens + machine.completion_tokens))
+                params, prompt_logprobs = self._attempt_params()
+                # The prompt's logprobs are read where the prompt is computed: its decode engine.
+                disaggregated = not prompt_logprobs and self.choose_disaggregated(machine.prompt_tokens + machine.completion_tokens)
+                plan = machine.start_attempt(disaggregated)
                 logger.log(
                     attempt_log_level(plan.number),
                     "request %s attempt %d/%d id=%s %s prompt=%d budget=%d",
@@ -154,7 +162,7 @@ class ResponseSession:
                 step: Step | None = None
                 # The attempt runs in this task (no wait_for around it): a cancellation, which
                 # anyio delivers again at every await, then finds nothing half-running to close.
-                async with aclosing(self.executor.run(plan, self.request.sampling_params, deadline, self.request.cache_salt)) as events:
+                async with aclosing(self.executor.run(plan, params, deadline, self.request.cache_salt)) as events:
                     async for event in _EngineWaitClock(events, self):
                         step = self._step(event)
                         if step is None:
@@ -172,6 +180,21 @@ class ResponseSession:
         finally:
             self._first_token_done()
             self._observe_end()
+
+    def _attempt_params(self) -> tuple[Any, bool]:
+        """The next attempt's sampling parameters, and whether they ask for the prompt's logprobs:
+        only until an attempt on the original prompt has given them (a resumed attempt's prompt
+        holds earlier output)."""
+        params = self.request.sampling_params
+        if params.prompt_logprobs is None:
+            return params, False
+        machine = self.machine
+        if machine.prompt_logprobs is None and not machine.output_token_ids:
+            return params, True
+        if self._without_prompt_logprobs is None:
+            self._without_prompt_logprobs = params.clone()
+            self._without_prompt_logprobs.prompt_logprobs = None
+        return self._without_prompt_logprobs, False
 
     def _step(self, event: AttemptEvent) -> Step | None:
         """The state machine's answer to the attempt's next event (None: nothing to answer)."""

@@ -72,6 +72,9 @@ class TokenDelta:
     # Prompt tokens the engine did not compute itself (prefix cache or KV received from prefill);
     # set on the first delta only.
     num_cached_tokens: int | None = None
+    # Each prompt token's logprob (None for the first, which nothing predicts), where the request
+    # asked for them (``prompt_logprobs``: a completion's ``echo`` with ``logprobs``); first delta only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

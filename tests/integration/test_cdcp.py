@@ -154,6 +154,29 @@ def test_n_seeded_samples_and_several_prompts_through_disaggregated_engines(app,
     wait_idle(app)
 
 
+def test_echo_with_logprobs_gives_the_prompts_logprobs_as_the_engine_computes_them(app):
+    """What evaluation harnesses read a text's likelihood from (lm-eval's loglikelihood: several
+    prompts, echo, logprobs, one token): each prompt token's logprob, served colocated. A
+    prompt's own tokens past a point are a greedy output the engine produced: their echoed
+    logprobs are the ones the engine gave when it sampled them."""
+    prompt = token_pattern(150, seed=74)
+    response = post(app, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1})
+    first = response.json()["choices"][0]["logprobs"]
+    output = completion_ids(app, prompt, max_tokens=8)[1]
+    body = {"prompt": [prompt + output, prompt], "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1, "return_token_ids": True}
+    response = post(app, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    echoed = choices[0]["logprobs"]
+    assert len(echoed["token_logprobs"]) == len(prompt) + len(output) + 1 and echoed["token_logprobs"][0] is None
+    assert all(isinstance(lp, float) and lp <= 0 for lp in echoed["token_logprobs"][1:])
+    assert echoed["tokens"][len(prompt) : len(prompt) + 8] == first["tokens"]
+    assert echoed["token_logprobs"][len(prompt) : len(prompt) + 8] == pytest.approx(first["token_logprobs"], abs=1e-3)
+    # The second prompt, the first's beginning alone: the same logprobs for the same tokens.
+    assert choices[1]["logprobs"]["token_logprobs"][: len(prompt)] == pytest.approx(echoed["token_logprobs"][: len(prompt)], abs=1e-3)
+    wait_idle(app)
+
+
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -128,7 +128,7 @@ def test_several_prompts_times_n_are_indexed_prompt_by_prompt(tiny_tokenizer, st
     run(body, args(), tiny_tokenizer)
 
 
-def test_chat_n_streams_each_choice_with_its_role_and_the_prompt_once(tiny_tokenizer):
+def test_chat_n_streams_each_choice_with_its_role_and_the_prompt(tiny_tokenizer):
     async def body(app: App) -> None:
         request = {"messages": MESSAGES, "max_tokens": 4, "n": 2, "temperature": 1.0, "return_token_ids": True, "stream": True}
         status, events = await body_of(await app.service.http("chat", json.dumps(request).encode()))
@@ -138,8 +138,8 @@ def test_chat_n_streams_each_choice_with_its_role_and_the_prompt_once(tiny_token
         for index in (0, 1):
             mine = [c for c in chunks if c["index"] == index]
             assert mine[0]["delta"]["role"] == "assistant" and mine[0]["delta"]["content"] == ""
+            assert mine[0]["prompt"] and not any(c["prompt"] for c in mine[1:])  # as vLLM's server: with each role
             assert sum(len(c.get("token_ids") or []) for c in mine) == 4 and mine[-1]["finish_reason"] == "length"
-        assert sum(1 for c in chunks if c["prompt"]) == 1  # the response's prompt, once
         status, data = await body_of(await app.service.http("chat", json.dumps({**request, "stream": False}).encode()))
         assert status == 200 and [c["index"] for c in data["choices"]] == [0, 1]
         assert data["choices"][0]["message"]["content"] == data["choices"][1]["message"]["content"]
@@ -187,8 +187,10 @@ def test_one_failed_choice_fails_the_response_and_stops_the_others(tiny_tokenize
                 real = engine.runner.generate
 
                 async def failing(request: Any, real: Any = real) -> Any:
+                    deltas = 0
                     async for delta in real(request):
-                        if request.request_id.split("-")[-2] == "2":  # the third choice's attempt
+                        deltas += 1
+                        if request.request_id.split("-")[-2] == "2" and deltas > 2:  # the third choice's, once it has output
                             raise RuntimeError("the engine failed")
                         sent[request.request_id] = sent.get(request.request_id, 0) + len(delta.token_ids)
                         yield delta
@@ -202,7 +204,7 @@ def test_one_failed_choice_fails_the_response_and_stops_the_others(tiny_tokenize
         else:
             assert status == 502 and "error" in data
         # The others were stopped, not waited for (the idle check after the test: and released).
-        assert len(sent) == 2 and max(sent.values()) < 2000, sent
+        assert len(sent) == 3 and max(sent.values()) < 2000, sent
 
     run(body, args(router={"mode": "colocated", "max_attempts": 1}, mock={"decode_step_s": 0.005}), tiny_tokenizer)
 
@@ -246,3 +248,85 @@ def test_too_many_choices_and_bad_samples_are_refused_before_any_engine(tiny_tok
         assert calls == []
 
     run(body, args(router={"max_choices": 4}), tiny_tokenizer)
+
+
+def test_a_client_gone_while_later_samples_wait_for_the_first_stops_them_all(tiny_tokenizer):
+    """The first sample's engine has not answered yet: the others wait for it, and none of them
+    is left behind when the client leaves."""
+
+    async def body(app: App) -> None:
+        started: list[str] = []
+        for name, engine in app.engines.items():
+            if name.startswith("decode"):
+                real = engine.runner.generate
+
+                async def silent(request: Any, real: Any = real) -> Any:
+                    started.append(request.request_id)
+                    async for delta in real(request):
+                        await asyncio.Event().wait()  # the engine holds the request and never answers
+                        yield delta
+
+                engine.runner.generate = silent
+        request = {"prompt": PROMPT, "max_tokens": 50, "n": 3, "temperature": 1.0, "stream": True}
+        task = asyncio.ensure_future(app.service.http("completions", json.dumps(request).encode()))
+        await wait_until(lambda: started)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(started) == 1  # the others never started
+
+    run(body, args(router={"mode": "colocated"}), tiny_tokenizer)
+
+
+def test_a_handle_stream_of_several_choices_closed_early_releases_them_at_once(tiny_tokenizer):
+    async def body(app: App) -> None:
+        events = app.service.generate({"prompt": [PROMPT, OTHER], "max_tokens": 2000})
+        await anext(events)
+        await events.aclose()
+        # Closed, not left to the collector: nothing is held by the time aclose returns.
+        assert app.service.inflight == 0 and not any(load.inflight for load in app.service.pool.of_role("decode"))
+
+    run(body, args(router={"mode": "colocated"}, mock={"decode_step_s": 0.005}), tiny_tokenizer)
+
+
+def test_a_slow_reader_holds_the_choices_back_as_it_holds_one(tiny_tokenizer):
+    """A client that stops reading: the router takes at most a group per choice more from the
+    engines (their output waits there, merged), not the whole of every choice as chunks."""
+
+    async def body(app: App) -> None:
+        pulled = 0
+        for name, engine in app.engines.items():
+            if name.startswith("decode"):
+                real = engine.runner.generate
+
+                async def counted(request: Any, real: Any = real) -> Any:
+                    nonlocal pulled
+                    async for delta in real(request):
+                        pulled += 1
+                        yield delta
+
+                engine.runner.generate = counted
+        reading = asyncio.Event()
+
+        async def stalled_send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                reading.set()
+                await asyncio.Event().wait()  # the client reads the first write, then nothing more
+
+        async def never() -> dict:
+            await asyncio.Event().wait()
+            return {}
+
+        request = {"prompt": PROMPT, "max_tokens": 400, "n": 3, "temperature": 1.0, "stream": True}
+        response = await app.service.http("completions", json.dumps(request).encode())
+        task = asyncio.ensure_future(response({"type": "http"}, never, stalled_send))
+        await reading.wait()
+        await asyncio.sleep(1.0)  # 400 tokens' worth of steps: unheld, each choice would run to its end
+        held = pulled
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Each choice: its first group, one waiting for room, one in the queue, one being sent.
+        assert held <= 4 * 3, held
+
+    run(body, args(router={"mode": "colocated"}, mock={"decode_step_s": 0.0025}, stream_items_per_s=0), tiny_tokenizer)
