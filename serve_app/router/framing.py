@@ -205,7 +205,9 @@ class ResponseFramer:
     def _completion_chunk(self, emission: Emission) -> dict[str, Any]:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
-        text, prompt_logprobs = emission.text, None
+        text, logprobs, prompt_logprobs = emission.text, emission.logprobs, None
+        if self.request.echo_only:  # the prompt alone
+            text, logprobs = "", [] if logprobs is not None else None
         if self.request.echo is not None and not self._echoed:  # the prompt, in the first chunk
             self._echoed = True
             text = self.request.echo + text
@@ -213,7 +215,7 @@ class ResponseFramer:
         choice = CompletionResponseStreamChoice(
             index=self.request.index,
             text=text,
-            logprobs=self._completion_logprobs(emission.logprobs, prompt_logprobs),
+            logprobs=self._completion_logprobs(logprobs, prompt_logprobs),
             finish_reason=emission.finish_reason,
             stop_reason=emission.stop_reason,
             token_ids=list(emission.token_ids) if self.request.return_token_ids else None,
@@ -299,6 +301,8 @@ class ResponseFramer:
 
             self._text_offset = 0
             echo = self.request.echo
+            if self.request.echo_only:  # the prompt alone
+                text, logprobs = "", [] if logprobs is not None else None
             choice = CompletionResponseChoice(
                 index=self.request.index,
                 text=text if echo is None else echo + text,

@@ -151,6 +151,7 @@ class ParsedRequest:
     # reply's; None without echo. A completion's echo with logprobs asks the engine for the
     # prompt's logprobs too (``sampling_params.prompt_logprobs``).
     echo: str | None = None
+    echo_only: bool = False  # a completion's echo with max_tokens 0: the prompt alone (as vLLM's server)
 
     @property
     def choices(self) -> tuple[ParsedRequest, ...]:
@@ -286,11 +287,15 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     # Only a completion's echo reads the prompt's logprobs (vLLM's chat echo asks for them too, and
     # sends them in a field of its own, which pd-serve has not: a client's prompt_logprobs is refused).
     prompt_logprobs = logprobs if route == "completions" and request.echo else None
+    # vLLM's echo of the prompt alone: the engine makes one token, which the response leaves out.
+    echo_only = route == "completions" and bool(request.echo) and max_tokens == 0
     prompt_param = "messages" if route == "chat" else "prompt"
     samples = []  # each prompt's (token ids, sampling parameters)
     for prompt_token_ids in prompts:
-        _check_lengths(prompt_token_ids, max_tokens, max_tokens_param, prompt_param, ctx)
-        params, stops = _sampling_params(request, prompt_token_ids, max_tokens, logprobs, prompt_logprobs, tool_choice, hide_tokens, ctx)
+        _check_lengths(prompt_token_ids, 1 if echo_only else max_tokens, max_tokens_param, prompt_param, ctx)
+        params, stops = _sampling_params(
+            request, prompt_token_ids, 1 if echo_only else max_tokens, logprobs, prompt_logprobs, tool_choice, hide_tokens, ctx
+        )
         samples.append((prompt_token_ids, params))
     first_params = samples[0][1]
     prefix = "chatcmpl" if route == "chat" else "cmpl"
@@ -317,6 +322,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         n=n,
         count=len(samples) * n,
         echo=echoes[0],
+        echo_only=echo_only,
     )
     if n == 1 and len(samples) == 1:
         return first

@@ -133,3 +133,30 @@ def test_a_chat_echo_puts_the_last_message_before_the_reply_where_its_role_is_th
                 assert data["choices"][0]["message"]["content"] == echoed + without["choices"][0]["message"]["content"]
 
     run(body, args(), tiny_tokenizer)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echo_with_no_output_is_the_prompt_alone(tiny_tokenizer, stream):
+    """max_tokens 0 with echo (what scoring clients send): the prompt and its logprobs alone. As
+    vLLM's server: the engine makes one token, left out of the text and logprobs, counted in usage."""
+
+    async def body(app: App) -> None:
+        text = "The river runs"
+        prompt_ids = tiny_tokenizer.encode(text)
+        request = {"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 2, "stream": stream}
+        if stream:
+            request["stream_options"] = {"include_usage": True}
+        status, data = await body_of(await app.service.http("completions", json.dumps(request).encode()))
+        assert status == 200, data
+        if stream:
+            choice, usage = assembled(data), data[-2]["usage"]
+            finish = [e["choices"][0]["finish_reason"] for e in data if isinstance(e, dict) and e["choices"]][-1]
+        else:
+            choice, usage = {"text": data["choices"][0]["text"], **data["choices"][0]["logprobs"]}, data["usage"]
+            finish = data["choices"][0]["finish_reason"]
+        assert choice["text"] == text and finish == "length"
+        assert choice["tokens"] == [tiny_tokenizer.decode([t]) for t in prompt_ids]
+        assert choice["token_logprobs"] == [None] + [-0.25] * (len(prompt_ids) - 1)
+        assert usage["completion_tokens"] == 1
+
+    run(body, args(), tiny_tokenizer)

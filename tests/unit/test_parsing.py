@@ -82,7 +82,7 @@ def test_structured_output_reaches_the_engines_as_vllm_builds_it(ctx):
 @pytest.mark.parametrize(
     "route,body,param",
     [
-        ("completions", {"prompt": "x", "echo": True, "max_tokens": 0}, "max_tokens"),  # vLLM's echo of the prompt alone
+        ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # served with echo only (test_echo.py)
         ("completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
         ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("completions", {"prompt": ["a"] * 129}, "prompt"),  # more choices than router.max_choices' default

@@ -590,14 +590,15 @@ def test_over_serves_proxy_too_paths_and_methods_no_route_serves_are_counted(tin
     run(body, tiny_tokenizer, recording_router_metrics())
 
 
-def test_echo_of_the_prompt_alone_is_refused_on_chat_as_on_completions(tiny_tokenizer):
-    """vLLM's echo with max_tokens 0 (the prompt, no output) is not served (test_echo.py: echo)."""
+def test_no_output_is_refused_but_for_a_completions_echo(tiny_tokenizer):
+    """max_tokens 0 is a 400 (as on vLLM's server), but for a completion's echo of the prompt
+    alone, which test_echo.py serves."""
 
     async def body(app: App, client: httpx.AsyncClient) -> None:
         with mock.patch.object(app.service, "_session", side_effect=AssertionError("an engine was asked")):
             chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0, "echo": True}
             assert_openai_error(await client.post("/v1/chat/completions", json=chat), 400, "max_tokens")
-            completion = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
+            completion = {"prompt": PROMPT, "max_tokens": 0, "logprobs": 1}
             assert_openai_error(await client.post("/v1/completions", json=completion), 400, "max_tokens")
 
     run(body, tiny_tokenizer)
