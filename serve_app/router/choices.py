@@ -44,13 +44,15 @@ class ChoicesSession:
         # The usage chunk is the response's, sent once, after every choice has finished.
         self.sessions = [session_of(replace(choice, include_usage=False, others=())) for choice in request.choices]
         self._gates: list[asyncio.Event | None] = []
+        self._firsts: list[ResponseSession] = []  # each choice's prompt's first sample
         for session in self.sessions:
             if session.request.index % request.n == 0:  # a prompt's first sample
-                first_token = asyncio.Event()
+                first, first_token = session, asyncio.Event()
                 session.on_first_token = first_token.set
                 self._gates.append(None)
             else:
                 self._gates.append(first_token)
+            self._firsts.append(first)
         self.status = 200
         self.client_wait_s = 0.0
         self._started = received_at if received_at is not None else time.monotonic()
@@ -68,14 +70,12 @@ class ChoicesSession:
 
     async def event_batches(self) -> AsyncIterator[list[dict[str, Any]]]:
         """Each choice's groups of events as they come; a choice's error ends the stream. At
-        most one group per choice waits for the client: a client that reads slowly holds the
-        choices back, as it holds a one-choice stream (the engines' output waits in the engines,
-        merged, not in the router as chunks)."""
+        most as many groups as there are choices wait for the client: a client that reads slowly
+        holds the choices back, as it holds a one-choice stream (the engines' output waits in the
+        engines, merged, not in the router as chunks)."""
         queue: asyncio.Queue[tuple[ResponseSession, list[dict[str, Any]] | BaseException | None]] = asyncio.Queue()
         room = asyncio.Semaphore(len(self.sessions))
-        tasks = [
-            asyncio.create_task(self._stream(session, gate, queue, room)) for session, gate in zip(self.sessions, self._gates, strict=True)
-        ]
+        tasks = [asyncio.create_task(self._stream(i, queue, room)) for i in range(len(self.sessions))]
         running = len(tasks)
         try:
             while running:
@@ -96,14 +96,13 @@ class ChoicesSession:
         finally:
             await _stop(tasks)
 
-    @staticmethod
-    async def _stream(session: ResponseSession, gate: asyncio.Event | None, queue: asyncio.Queue, room: asyncio.Semaphore) -> None:
-        """One choice's groups into ``queue``, each once there is ``room``; its end (None, or the
+    async def _stream(self, i: int, queue: asyncio.Queue, room: asyncio.Semaphore) -> None:
+        """Choice i's groups into ``queue``, each once there is ``room``; its end (None, or the
         exception it raised) whatever happens."""
+        session = self.sessions[i]
         end: BaseException | None = None
         try:
-            if gate is not None:
-                await gate.wait()
+            await self._start(i)
             async with aclosing(session.event_batches()) as batches:
                 async for batch in batches:
                     await room.acquire()
@@ -129,7 +128,7 @@ class ChoicesSession:
     # ------------------------------------------------------------------ whole
     async def final_response(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body): every choice's reply in one response, or the first error."""
-        tasks = [asyncio.create_task(self._final(session, gate)) for session, gate in zip(self.sessions, self._gates, strict=True)]
+        tasks = [asyncio.create_task(self._final(i)) for i in range(len(self.sessions))]
         try:
             for done in asyncio.as_completed(tasks):
                 status, body = await done
@@ -144,11 +143,18 @@ class ChoicesSession:
         response["usage"] = usage(*self._usage()).model_dump(mode="json", exclude_none=True)
         return 200, response
 
-    @staticmethod
-    async def _final(session: ResponseSession, gate: asyncio.Event | None) -> tuple[int, dict[str, Any]]:
-        if gate is not None:
-            await gate.wait()
-        return await session.final_response()
+    async def _final(self, i: int) -> tuple[int, dict[str, Any]]:
+        await self._start(i)
+        return await self.sessions[i].final_response()
+
+    async def _start(self, i: int) -> None:
+        """Choice i may start: at once for a prompt's first sample, after its first token for the
+        others, which take the prompt's logprobs (an echo's) from it rather than ask again."""
+        gate = self._gates[i]
+        if gate is None:
+            return
+        await gate.wait()
+        self.sessions[i].machine.prompt_logprobs = self._firsts[i].machine.prompt_logprobs
 
     # ------------------------------------------------------------------ metrics
     def observe_times(self) -> None:

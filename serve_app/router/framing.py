@@ -206,12 +206,14 @@ class ResponseFramer:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
         text, logprobs, prompt_logprobs = emission.text, emission.logprobs, None
+        prompt_ids = self._prompt_ids_once()
         if self.request.echo_only:  # the prompt alone
             text, logprobs = "", [] if logprobs is not None else None
         if self.request.echo is not None and not self._echoed:  # the prompt, in the first chunk
             self._echoed = True
             text = self.request.echo + text
             prompt_logprobs = self._prompt_logprobs(emission.prompt_logprobs)
+            prompt_ids = list(self.request.prompt_token_ids)  # as vLLM's server, whatever return_token_ids says
         choice = CompletionResponseStreamChoice(
             index=self.request.index,
             text=text,
@@ -219,7 +221,7 @@ class ResponseFramer:
             finish_reason=emission.finish_reason,
             stop_reason=emission.stop_reason,
             token_ids=list(emission.token_ids) if self.request.return_token_ids else None,
-            prompt_token_ids=self._prompt_ids_once(),
+            prompt_token_ids=prompt_ids,
         )
         chunk = CompletionStreamResponse(
             id=self.request.response_id, created=self.request.created, model=self.request.model, choices=[choice]
@@ -323,7 +325,7 @@ class ResponseFramer:
         for choice in data["choices"]:
             if "message" in choice:  # OpenAI's message always has content: null beside tool calls
                 choice["message"].setdefault("content", None)
-                if self.request.echo:  # the last message before the reply (as vLLM's server)
+                if self.request.echo is not None:  # the last message before the reply (as vLLM's server)
                     choice["message"]["content"] = self.request.echo + (choice["message"]["content"] or "")
         return data
 

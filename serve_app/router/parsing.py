@@ -45,6 +45,10 @@ logger = logging.getLogger("pd_serve.router")
 Route = Literal["completions", "chat"]
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+# An echo's prompt logprobs, as entries (a token's logprob and each alternative's), per request:
+# each is a JSON member the router frames on its event loop (about a microsecond), and a prompt's
+# travel in one frame from its engine (wire/frames.py's bound is 64 MiB: 4M entries).
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
 
 # Engine extra arguments pd-serve sets itself: a client may not set them, at the top level of
 # the request or through ``vllm_xargs`` (vLLM copies both into the engine's extra_args), since
@@ -152,6 +156,9 @@ class ParsedRequest:
     # prompt's logprobs too (``sampling_params.prompt_logprobs``).
     echo: str | None = None
     echo_only: bool = False  # a completion's echo with max_tokens 0: the prompt alone (as vLLM's server)
+    # The echoed prompt's logprob entries this choice sends (tokens times logprobs + 1): what its
+    # framing costs beyond the output's (router/session.py frames a large one off the event loop).
+    prompt_logprob_entries: int = 0
 
     @property
     def choices(self) -> tuple[ParsedRequest, ...]:
@@ -287,6 +294,14 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     # Only a completion's echo reads the prompt's logprobs (vLLM's chat echo asks for them too, and
     # sends them in a field of its own, which pd-serve has not: a client's prompt_logprobs is refused).
     prompt_logprobs = logprobs if route == "completions" and request.echo else None
+    if prompt_logprobs is not None:
+        entries = sum(len(p) for p in prompts) * n * (prompt_logprobs + 1)
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise bad_request(
+                f"echo with logprobs asks for {entries} logprobs of the prompts (their tokens times n times logprobs + 1); "
+                f"this server sends at most {MAX_PROMPT_LOGPROB_ENTRIES} per request",
+                param="logprobs",
+            )
     # vLLM's echo of the prompt alone: the engine makes one token, which the response leaves out.
     echo_only = route == "completions" and bool(request.echo) and max_tokens == 0
     prompt_param = "messages" if route == "chat" else "prompt"
@@ -323,6 +338,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         count=len(samples) * n,
         echo=echoes[0],
         echo_only=echo_only,
+        prompt_logprob_entries=0 if prompt_logprobs is None else len(samples[0][0]) * (prompt_logprobs + 1),
     )
     if n == 1 and len(samples) == 1:
         return first
@@ -331,10 +347,11 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
             first,
             index=p * n + i,
             prompt_token_ids=prompt_token_ids,
-            sampling_params=_nth_sample(params, i),
+            sampling_params=_nth_sample(params, i, prompt_logprobs=i == 0),
             max_tokens=params.max_tokens,
             tool_choice=replace(tool_choice, call_id=new_call_id()) if isinstance(tool_choice, ForcedCall) else tool_choice,
             echo=echoes[p],
+            prompt_logprob_entries=0 if prompt_logprobs is None else len(prompt_token_ids) * (prompt_logprobs + 1),
         )
         for p, (prompt_token_ids, params) in enumerate(samples)
         for i in range(n)
@@ -378,6 +395,9 @@ def _sampling_params(
     params.detokenize = False
     params.logprobs = None if hide_tokens else logprobs
     params.prompt_logprobs = prompt_logprobs
+    # vLLM skips the prefix cache for a request that wants its prompt's logprobs (set when the
+    # parameters are built, from vLLM's chat echo's too): only where they are asked for.
+    params.skip_reading_prefix_cache = prompt_logprobs is not None
     params.n = 1  # the router asks for each choice on its own
     _check_encodable(params)
     _check_vocabulary(params, ctx)
@@ -385,13 +405,18 @@ def _sampling_params(
     return params, stops
 
 
-def _nth_sample(params: Any, i: int) -> Any:
+def _nth_sample(params: Any, i: int, prompt_logprobs: bool = True) -> Any:
     """The i-th of a prompt's n samples, as vLLM's engine makes them (its ParentRequest): the same
-    parameters, with seed + i where the request is seeded, so that each is reproducible apart."""
-    if i == 0 or params.seed is None:
+    parameters, with seed + i where the request is seeded, so that each is reproducible apart.
+    Only the first asks for the prompt's logprobs (router/choices.py gives the others its own)."""
+    asks = prompt_logprobs or params.prompt_logprobs is None
+    if i == 0 or (params.seed is None and asks):
         return params
     sample = copy.copy(params)
-    sample.seed = params.seed + i
+    if params.seed is not None:
+        sample.seed = params.seed + i
+    if not asks:
+        sample.prompt_logprobs, sample.skip_reading_prefix_cache = None, False
     return sample
 
 

@@ -35,7 +35,7 @@ from serve_app.router.membership import MEMBERSHIP, ReplicaInfo
 from serve_app.router.output_parsers import cached_tokenizer, load_parser
 from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
 from serve_app.router.pool import EnginePool, PrefixRouting
-from serve_app.router.session import ResponseSession
+from serve_app.router.session import OFFLOAD_LOGPROB_ENTRIES, ResponseSession
 from serve_app.runtime.metrics import RouterMetrics
 from serve_app.wire.protocol import Role
 
@@ -284,6 +284,8 @@ class RouterService:
             return JSONResponse(error_body("internal error while reading the request", 500), 500)
         if not parsed.stream:
             status, body = await self._final(parsed, received)
+            if sum(choice.prompt_logprob_entries for choice in parsed.choices) > OFFLOAD_LOGPROB_ENTRIES:
+                return await asyncio.to_thread(JSONResponse, body, status)  # encoded off the event loop too
             return JSONResponse(body, status)
         session = self._session(parsed, received)
         batches = session.event_batches()

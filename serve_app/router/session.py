@@ -6,6 +6,8 @@ The HTTP routes and the handle API both sit on top of this, so both send the sam
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +34,10 @@ from serve_app.runtime.logs import attempt_log_level
 from serve_app.runtime.metrics import RouterMetrics
 
 logger = logging.getLogger("pd_serve.router")
+
+# An echo's prompt logprobs of more entries than this are framed in a worker thread: about 30 ms
+# of the event loop, where every stream of the replica waits for it.
+OFFLOAD_LOGPROB_ENTRIES = 64 * 1024
 
 
 class ResponseSession:
@@ -94,7 +100,10 @@ class ResponseSession:
         usage_due = self.request.include_usage
         async with aclosing(self.emissions()) as emissions:  # its attempt released on every way out
             async for emission in emissions:
-                batch = self.framer.chunks(emission)
+                if emission.prompt_logprobs is not None and self.request.prompt_logprob_entries > OFFLOAD_LOGPROB_ENTRIES:
+                    batch = await asyncio.to_thread(self.framer.chunks, emission)
+                else:
+                    batch = self.framer.chunks(emission)
                 if emission.error is not None:
                     batch.append(self._error(emission))
                     yield batch
@@ -123,7 +132,8 @@ class ResponseSession:
                 if emission.error is not None:
                     return emission.error_status, self._error(emission)
         m = self.machine
-        return 200, self.framer.final(
+        final = functools.partial(
+            self.framer.final,
             text=m.text,
             token_ids=m.output_token_ids,
             logprobs=m.output_logprobs if self.request.logprobs is not None else None,
@@ -132,6 +142,9 @@ class ResponseSession:
             prompt_tokens=m.prompt_tokens,
             prompt_logprobs=m.prompt_logprobs,
         )
+        if self.request.prompt_logprob_entries > OFFLOAD_LOGPROB_ENTRIES:
+            return 200, await asyncio.to_thread(final)
+        return 200, final()
 
     def _error(self, emission: Emission) -> dict[str, Any]:
         self.status = emission.error_status
@@ -194,6 +207,7 @@ class ResponseSession:
         if self._without_prompt_logprobs is None:
             self._without_prompt_logprobs = params.clone()
             self._without_prompt_logprobs.prompt_logprobs = None
+            self._without_prompt_logprobs.skip_reading_prefix_cache = False
         return self._without_prompt_logprobs, False
 
     def _step(self, event: AttemptEvent) -> Step | None:

@@ -174,6 +174,11 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_as_the_engine_computes_th
     assert echoed["token_logprobs"][len(prompt) : len(prompt) + 8] == pytest.approx(first["token_logprobs"], abs=1e-3)
     # The second prompt, the first's beginning alone: the same logprobs for the same tokens.
     assert choices[1]["logprobs"]["token_logprobs"][: len(prompt)] == pytest.approx(echoed["token_logprobs"][: len(prompt)], abs=1e-3)
+    # A prompt's samples share the first's prompt logprobs; the others read the prompt's cache.
+    both = post(app, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "n": 2, "temperature": 1.0, "echo": True, "logprobs": 1})
+    choices = both.json()["choices"]
+    assert choices[0]["logprobs"]["token_logprobs"][: len(prompt)] == choices[1]["logprobs"]["token_logprobs"][: len(prompt)]
+    assert choices[0]["logprobs"]["token_logprobs"][: len(prompt)] == pytest.approx(echoed["token_logprobs"][: len(prompt)], abs=1e-3)
     # No output (max_tokens 0, what scoring clients send): the prompt's alone.
     alone = post(app, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}).json()["choices"][0]["logprobs"]
     assert alone["token_logprobs"] == pytest.approx(echoed["token_logprobs"][: len(prompt)], abs=1e-3)

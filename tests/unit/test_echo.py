@@ -27,7 +27,15 @@ def engine_calls(app: App) -> list[dict[str, Any]]:
 
         async def recording(request: Any, real: Any = real, name: str = name) -> Any:
             fields = sampling_fields(request.sampling_params)
-            calls.append({"engine": name, "prompt_logprobs": fields.get("prompt_logprobs"), "prompt": list(request.prompt_token_ids)})
+            calls.append(
+                {
+                    "engine": name,
+                    "prompt_logprobs": fields.get("prompt_logprobs"),
+                    "skip_cache": fields.get("skip_reading_prefix_cache"),
+                    "prompt": list(request.prompt_token_ids),
+                    "kv": request.kv_transfer_params,
+                }
+            )
             async for delta in real(request):
                 yield delta
 
@@ -59,7 +67,9 @@ def test_a_completions_echo_puts_the_prompt_and_its_logprobs_before_the_output(t
         status, data = await body_of(await app.service.http("completions", json.dumps(request).encode()))
         assert status == 200, data
         choice = assembled(data) if stream else {"text": data["choices"][0]["text"], **data["choices"][0]["logprobs"]}
+        echoed = list(calls)
         _, plain = await completion(app, text, max_tokens=4)  # the output alone
+        plain_calls = calls[len(echoed) :]
         assert choice["text"] == text + plain["choices"][0]["text"]
         pieces = [tiny_tokenizer.decode([t]) for t in [*prompt_ids, *expected(prompt_ids, 4)]]
         assert choice["tokens"] == pieces
@@ -70,8 +80,12 @@ def test_a_completions_echo_puts_the_prompt_and_its_logprobs_before_the_output(t
             top = data["choices"][0]["logprobs"]["top_logprobs"]
             assert top[0] is None and top[1] == {pieces[1]: -0.25}
             assert data["usage"]["prompt_tokens"] == len(prompt_ids) and data["usage"]["completion_tokens"] == 4
-        # Colocated, however the router is set: the prompt's logprobs are its decode engine's.
-        assert [(c["engine"].split("-")[0], c["prompt_logprobs"]) for c in calls][0] == ("decode", 1)
+        # Colocated, however the router is set: the prompt's logprobs are its decode engine's, which
+        # computes the prompt whole (as vLLM does for them: no prefix cache).
+        assert [(c["engine"].split("-")[0], c["kv"], c["skip_cache"], c["prompt_logprobs"]) for c in echoed] == [("decode", None, True, 1)]
+        # The same prompt without echo goes through a prefill engine, reading the caches.
+        assert sorted(c["engine"].split("-")[0] for c in plain_calls) == ["decode", "prefill"]
+        assert all(not c["skip_cache"] and c["prompt_logprobs"] is None for c in plain_calls)
 
     run(body, args(router={"mode": "disaggregated"}), tiny_tokenizer)
 
@@ -103,7 +117,7 @@ def test_a_resumed_attempt_never_asks_for_the_prompts_logprobs_again(tiny_tokeni
         status, data = await completion(app, PROMPT, max_tokens=10, echo=True, logprobs=0, return_token_ids=False)
         assert status == 200, data
         assert len(calls) >= 2 and calls[0]["prompt_logprobs"] == 0
-        assert all(c["prompt_logprobs"] is None and len(c["prompt"]) > len(PROMPT) for c in calls[1:])
+        assert all(c["prompt_logprobs"] is None and not c["skip_cache"] and len(c["prompt"]) > len(PROMPT) for c in calls[1:])
         logprobs = data["choices"][0]["logprobs"]["token_logprobs"]
         assert logprobs == [None] + [-0.25] * (len(PROMPT) - 1) + [-0.5] * 10
 
@@ -158,5 +172,124 @@ def test_an_echo_with_no_output_is_the_prompt_alone(tiny_tokenizer, stream):
         assert choice["tokens"] == [tiny_tokenizer.decode([t]) for t in prompt_ids]
         assert choice["token_logprobs"] == [None] + [-0.25] * (len(prompt_ids) - 1)
         assert usage["completion_tokens"] == 1
+
+    run(body, args(), tiny_tokenizer)
+
+
+def test_a_prompts_samples_share_its_logprobs_and_the_others_read_the_cache(tiny_tokenizer):
+    async def body(app: App) -> None:
+        calls = engine_calls(app)
+        status, data = await completion(app, PROMPT, max_tokens=3, n=3, temperature=1.0, echo=True, logprobs=1)
+        assert status == 200, data
+        asked = [c for c in calls if c["prompt_logprobs"] is not None]
+        assert len(asked) == 1 and asked[0]["skip_cache"] is True  # once, by the first sample
+        assert all(not c["skip_cache"] for c in calls if c["prompt_logprobs"] is None)
+        logprobs = [c["logprobs"]["token_logprobs"] for c in data["choices"]]
+        assert logprobs[0] == logprobs[1] == logprobs[2] == [None] + [-0.25] * (len(PROMPT) - 1) + [-0.5] * 3
+
+    run(body, args(router={"mode": "colocated"}), tiny_tokenizer)
+
+
+def test_echo_logprobs_are_bounded_per_request(tiny_tokenizer, monkeypatch):
+    import serve_app.router.parsing as parsing
+
+    monkeypatch.setattr(parsing, "MAX_PROMPT_LOGPROB_ENTRIES", 8 * 2 * 3)
+
+    async def body(app: App) -> None:
+        status, data = await completion(app, PROMPT, max_tokens=3, n=2, temperature=1.0, echo=True, logprobs=2)
+        assert status == 200, data  # 8 tokens x 2 samples x 3: the bound
+        status, data = await completion(app, PROMPT, max_tokens=3, n=2, temperature=1.0, echo=True, logprobs=3)
+        assert status == 400 and data["error"]["param"] == "logprobs" and "64 logprobs of the prompts" in data["error"]["message"]
+        status, data = await completion(app, PROMPT, max_tokens=3, n=2, temperature=1.0, logprobs=3)
+        assert status == 200  # without echo, no prompt logprobs
+
+    run(body, args(), tiny_tokenizer)
+
+
+def test_without_the_engines_prompt_logprobs_the_prompts_are_null(tiny_tokenizer):
+    """vLLM's server would fail the request; the router sends what it has (and logs it)."""
+
+    async def body(app: App) -> None:
+        for engine in app.engines.values():
+            real = engine.runner.generate
+
+            async def stripped(request: Any, real: Any = real) -> Any:
+                async for delta in real(request):
+                    delta.prompt_logprobs = None
+                    yield delta
+
+            engine.runner.generate = stripped
+        status, data = await completion(app, PROMPT, max_tokens=3, echo=True, logprobs=1)
+        assert status == 200 and data["choices"][0]["logprobs"]["token_logprobs"] == [None] * len(PROMPT) + [-0.5] * 3
+
+    run(body, args(), tiny_tokenizer)
+
+
+def test_streamed_offsets_follow_the_tokens_while_a_stop_string_holds_text_back(tiny_tokenizer):
+    """As vLLM's server: each chunk's text_offset goes on from the tokens' text before it, not
+    from the text sent, which lags while the end of the output might begin a stop string."""
+
+    async def body(app: App) -> None:
+        output = expected(PROMPT, 12)
+        pieces = [tiny_tokenizer.decode([t]) for t in output]
+        stop = pieces[4] + pieces[5] + "\x01never"  # the text of tokens 4 and 5 is held back, then sent
+        request = {"prompt": PROMPT, "max_tokens": 12, "logprobs": 0, "stream": True, "stop": [stop]}
+        status, events = await body_of(await app.service.http("completions", json.dumps(request).encode()))
+        assert status == 200
+        got = assembled(events)
+        assert got["tokens"] == pieces
+        assert got["text_offset"] == [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+        sent = [e["choices"][0]["text"] for e in events if isinstance(e, dict) and e["choices"]]
+        assert "" in sent[:-1]  # some chunk's tokens were held back
+
+    run(body, args(stream_items_per_s=0, mock={"decode_step_s": 0.005}), tiny_tokenizer)
+
+
+def test_only_an_attempt_that_reads_the_prompts_logprobs_skips_the_prefix_cache(tiny_tokenizer):
+    """vLLM skips the prefix cache for a request with prompt_logprobs, which its chat echo sets
+    too: the router's parameters skip it only where they are read."""
+    from serve_app.router.parsing import ModelContext, parse_request
+
+    ctx = ModelContext(name="m", aliases=frozenset(), max_model_len=256, vocab_size=1024, tokenizer=tiny_tokenizer)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    for route, body, skips in (
+        ("chat", {"messages": messages, "echo": True}, False),
+        ("chat", {"messages": messages, "echo": True, "logprobs": True, "top_logprobs": 2}, False),
+        ("completions", {"prompt": "x", "echo": True}, False),
+        ("completions", {"prompt": "x", "echo": True, "logprobs": 0}, True),
+        ("completions", {"prompt": "x", "logprobs": 0}, False),
+    ):
+        params = parse_request(route, body, ctx).sampling_params
+        assert bool(params.skip_reading_prefix_cache) is skips and (params.prompt_logprobs is not None) is skips, body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_large_echo_is_framed_off_the_event_loop(tiny_tokenizer, monkeypatch, stream):
+    """Every stream of the replica waits while its loop frames a prompt's logprobs (0.5 s for the
+    bound's 2^20 entries): past OFFLOAD_LOGPROB_ENTRIES they are framed in a worker thread, and a
+    whole response encoded there too."""
+    import asyncio
+
+    import serve_app.router.service as service
+    import serve_app.router.session as session
+
+    monkeypatch.setattr(session, "OFFLOAD_LOGPROB_ENTRIES", len(PROMPT) * 2 - 1)
+    monkeypatch.setattr(service, "OFFLOAD_LOGPROB_ENTRIES", len(PROMPT) * 2 - 1)
+    offloaded: list[str] = []
+    real = asyncio.to_thread
+
+    async def spy(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        offloaded.append(getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "?"))
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", spy)
+
+    async def body(app: App) -> None:
+        status, data = await completion(app, PROMPT, max_tokens=3, echo=True, logprobs=1, stream=stream)
+        assert status == 200
+        assert offloaded == (["chunks"] if stream else ["final", "JSONResponse"])
+        offloaded.clear()
+        status, data = await completion(app, PROMPT, max_tokens=3, echo=True, logprobs=0, stream=stream)  # under it
+        assert status == 200 and offloaded == []
 
     run(body, args(), tiny_tokenizer)
