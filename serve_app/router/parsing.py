@@ -290,6 +290,8 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         logprobs = request.logprobs
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+    if request.truncate_prompt_tokens is not None:
+        prompts = [_truncated(ids, request.truncate_prompt_tokens, request.truncation_side, max_tokens, ctx) for ids in prompts]
     echoes = _echoes(route, request, prompts, ctx)
     # Only a completion's echo reads the prompt's logprobs (vLLM's chat echo asks for them too, and
     # sends them in a field of its own, which pd-serve has not: a client's prompt_logprobs is refused).
@@ -602,8 +604,6 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
         refuse("prompt_logprobs", "prompt_logprobs")
     # vLLM's own fields the router would otherwise accept and drop: a client relying on one (a
     # truncated prompt, a priority) must hear that it is not there.
-    if request.truncate_prompt_tokens is not None:
-        refuse("truncate_prompt_tokens", "truncate_prompt_tokens")
     if request.priority != 0:
         refuse("priority", "priority (priority scheduling)")
     if getattr(request, "logprob_token_ids", None) is not None:  # vLLM 0.23 (Ascend) has no such field
@@ -656,7 +656,31 @@ def _echoes(route: Route, request: Any, prompts: list[list[int]], ctx: ModelCont
         return [_text_content(field_of("content"), len(request.messages) - 1) if field_of("role") == role else ""]
     if request.return_token_ids:  # the prompt's token ids carry it
         return [""] * len(prompts)
-    return [raw if isinstance(raw, str) else ctx.tokenizer.decode(ids) for raw, ids in zip(_raw_prompts(request), prompts, strict=True)]
+    as_sent = request.truncate_prompt_tokens is None  # else what is left of it
+    raws = _raw_prompts(request)
+    return [raw if isinstance(raw, str) and as_sent else ctx.tokenizer.decode(ids) for raw, ids in zip(raws, prompts, strict=True)]
+
+
+def _truncated(ids: list[int], keep: int, side: str | None, max_tokens: int | None, ctx: ModelContext) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: at most ``keep`` of the prompt's tokens (-1: as many as
+    the context holds beside one token of output, or all of it where max_tokens is left out),
+    the first ones or, with ``truncation_side: left`` (or a tokenizer that truncates on the
+    left), the last ones."""
+    if keep > ctx.max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = {ctx.max_model_len}. "
+            "Please request a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens=0 leaves no prompt", param="truncate_prompt_tokens")
+    if keep < 0:
+        keep = ctx.max_model_len - 1 if max_tokens else ctx.max_model_len
+    if keep >= len(ids):
+        return ids
+    if (side or getattr(ctx.tokenizer, "truncation_side", "right")) == "left":
+        return ids[len(ids) - keep :]
+    return ids[:keep]
 
 
 def _completion_prompts(request: Any, ctx: ModelContext) -> list[list[int]]:
@@ -666,7 +690,8 @@ def _completion_prompts(request: Any, ctx: ModelContext) -> list[list[int]]:
     prompts = _raw_prompts(request)
     _check_choices(len(prompts), 1 if request.n is None else request.n, ctx)
     where = (lambda i: f"prompt[{i}]") if len(prompts) > 1 else (lambda i: "prompt")
-    return [_completion_prompt_ids(one, request.add_special_tokens, where(i), ctx) for i, one in enumerate(prompts)]
+    whole = request.truncate_prompt_tokens is None  # (a prompt to truncate may be longer than the context)
+    return [_completion_prompt_ids(one, request.add_special_tokens, where(i), ctx, whole) for i, one in enumerate(prompts)]
 
 
 def _check_choices(prompts: int, n: int, ctx: ModelContext) -> None:
@@ -678,9 +703,10 @@ def _check_choices(prompts: int, n: int, ctx: ModelContext) -> None:
         )
 
 
-def _completion_prompt_ids(prompt: Any, add_special_tokens: bool, where: str, ctx: ModelContext) -> list[int]:
+def _completion_prompt_ids(prompt: Any, add_special_tokens: bool, where: str, ctx: ModelContext, whole: bool = True) -> list[int]:
     if isinstance(prompt, str):
-        _check_text_length(prompt, "prompt", ctx)
+        if whole:
+            _check_text_length(prompt, "prompt", ctx)
         ids = ctx.encode(prompt, add_special_tokens)
     else:
         ids = list(prompt)
@@ -753,7 +779,8 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
     if not isinstance(text, str):
         raise bad_request("The chat template did not render text", param="messages")
-    _check_text_length(text, "messages", ctx)
+    if request.truncate_prompt_tokens is None:  # (a prompt to truncate may be longer than the context)
+        _check_text_length(text, "messages", ctx)
     # The template writes the special tokens (BOS) itself.
     ids = ctx.encode(text, request.add_special_tokens)
     if not ids:

@@ -226,3 +226,32 @@ def test_chat_template_inputs_are_passed_on_or_refused_never_dropped(tiny_tokeni
     with pytest.raises(OpenAIError) as refused:  # vLLM's own message models refuse it first
         parse_request("chat", {"messages": [{"role": "tool", "content": "42", "tool_call_id": 7}]}, ctx)
     assert refused.value.status == 400 and "tool_call_id" in refused.value.message
+
+
+def test_truncate_prompt_tokens_cuts_as_vllms_renderer_does(ctx, tiny_tokenizer):
+    """vLLM's truncate_prompt_tokens, against vLLM 0.32's own TokenizeParams: the first tokens
+    (the tokenizer's side) or, with truncation_side left, the last; -1 as many as the context
+    holds beside one token of output. (What is left must hold max_tokens too: the router refuses
+    where vLLM 0.32's server would cut max_tokens down.)"""
+    pytest.importorskip("vllm.renderers.params")  # vLLM 0.32's renderer (0.23 cuts in its tokenizer call)
+    from vllm.renderers.params import TokenizeParams
+
+    prompt = list(range(10, 210))  # 200 tokens, over the context of 128
+    for keep in (-1, 1, 5, 127, 128):
+        for side in (None, "left", "right"):
+            for max_tokens in (1, 4):
+                body = {"prompt": prompt, "truncate_prompt_tokens": keep, "truncation_side": side, "max_tokens": max_tokens}
+                theirs = TokenizeParams(
+                    max_total_tokens=128, max_output_tokens=max_tokens, truncate_prompt_tokens=keep, truncation_side=side
+                )._token_truncation(tiny_tokenizer, prompt)
+                if len(theirs) + max_tokens > 128:
+                    assert refused(ctx, "completions", body).param in ("prompt", "max_tokens")
+                    continue
+                assert parse_request("completions", body, ctx).prompt_token_ids == theirs, body
+    # A text prompt too long for the context is tokenized whole before it is cut.
+    long_text = "the river " * 2000
+    parsed = parse_request("completions", {"prompt": long_text, "truncate_prompt_tokens": 20, "truncation_side": "left"}, ctx)
+    assert parsed.prompt_token_ids == tiny_tokenizer.encode(long_text)[-20:]
+    messages = [{"role": "user", "content": long_text}]
+    assert len(parse_request("chat", {"messages": messages, "truncate_prompt_tokens": -1, "max_tokens": 1}, ctx).prompt_token_ids) == 127
+    assert refused(ctx, "chat", {"messages": messages}).param == "messages"

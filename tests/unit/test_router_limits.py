@@ -92,7 +92,8 @@ HOSTILE = {
     ),
     "empty cache_salt": ({"cache_salt": ""}, "cache_salt"),
     # vLLM's fields the router does not implement: refused, never accepted and dropped.
-    "truncate_prompt_tokens": ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    "truncate_prompt_tokens over the context": ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
+    "truncate_prompt_tokens to nothing": ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     "priority": ({"priority": 1}, "priority"),
     "logprob_token_ids": ({"logprob_token_ids": [5]}, "logprob_token_ids"),
     "return_tokens_as_token_ids": ({"return_tokens_as_token_ids": True, "logprobs": 1}, "return_tokens_as_token_ids"),
