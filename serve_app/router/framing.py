@@ -398,7 +398,7 @@ class ResponseFramer:
         out = CompletionLogProbs()
         offset = self._text_offset
         for token_id, lp in [*(prompt or ()), *((lp.token_id, lp) for lp in logprobs)]:
-            token = self.token_text(token_id)
+            token = self._label(token_id)
             out.tokens.append(token)
             out.text_offset.append(offset)
             offset += len(token)
@@ -409,7 +409,7 @@ class ResponseFramer:
             out.token_logprobs.append(json_logprob(lp.logprob))
             # The legacy API's top_logprobs always holds the sampled token, beside the top k.
             top = {token: json_logprob(lp.logprob)}
-            top.update((self.token_text(tid), json_logprob(value)) for tid, value in lp.top if tid != lp.token_id)
+            top.update((self._label(tid), json_logprob(value)) for tid, value in lp.top if tid != lp.token_id)
             out.top_logprobs.append(top)
         # The next chunk's offsets go on from these tokens' text, as vLLM's server counts them
         # (not from the text sent, which lags the tokens while a stop string may be forming).
@@ -427,15 +427,23 @@ class ResponseFramer:
 
         content = []
         for lp in logprobs:
-            token = self.token_text(lp.token_id)
+            # The sampled token's bytes are its text's, as vLLM's server sends them, whatever its label.
+            text = self.token_text(lp.token_id)
             top = [
-                ChatCompletionLogProb(token=self.token_text(tid), logprob=json_logprob(value), bytes=list(self.token_text(tid).encode()))
+                ChatCompletionLogProb(token=(label := self._label(tid)), logprob=json_logprob(value), bytes=list(label.encode()))
                 for tid, value in lp.top[: self.request.logprobs]
             ]
             content.append(
-                ChatCompletionLogProbsContent(token=token, logprob=json_logprob(lp.logprob), bytes=list(token.encode()), top_logprobs=top)
+                ChatCompletionLogProbsContent(
+                    token=self._label(lp.token_id), logprob=json_logprob(lp.logprob), bytes=list(text.encode()), top_logprobs=top
+                )
             )
         return ChatCompletionLogProbs(content=content)
+
+    def _label(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or ``token_id:<id>`` where the request asks
+        for ids (``return_tokens_as_token_ids``, as vLLM's server writes them)."""
+        return f"token_id:{token_id}" if self.request.tokens_as_ids else self.token_text(token_id)
 
 
 def _takes(method: Any, parameter: str) -> bool:

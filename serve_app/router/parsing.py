@@ -159,6 +159,7 @@ class ParsedRequest:
     # The echoed prompt's logprob entries this choice sends (tokens times logprobs + 1): what its
     # framing costs beyond the output's (router/session.py frames a large one off the event loop).
     prompt_logprob_entries: int = 0
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
     @property
     def choices(self) -> tuple[ParsedRequest, ...]:
@@ -341,6 +342,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         echo=echoes[0],
         echo_only=echo_only,
         prompt_logprob_entries=0 if prompt_logprobs is None else len(samples[0][0]) * (prompt_logprobs + 1),
+        tokens_as_ids=bool(request.return_tokens_as_token_ids),
     )
     if n == 1 and len(samples) == 1:
         return first
@@ -608,8 +610,6 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
         refuse("priority", "priority (priority scheduling)")
     if getattr(request, "logprob_token_ids", None) is not None:  # vLLM 0.23 (Ascend) has no such field
         refuse("logprob_token_ids", "logprob_token_ids")
-    if request.return_tokens_as_token_ids:
-        refuse("return_tokens_as_token_ids", "return_tokens_as_token_ids")
     if not request.spaces_between_special_tokens:  # the router's detokenizer always spaces them
         refuse("spaces_between_special_tokens", "spaces_between_special_tokens=false")
     for name in ("return_token_offsets", "return_prompt_text"):  # newer vLLMs' fields

@@ -4,7 +4,8 @@ before the output's (what evaluation harnesses read a prompt's likelihood from),
 does; the prompt's logprobs are computed where the prompt is, so such a request is colocated. A
 chat request's echo puts the last message before the reply where its role is the reply's.
 test_cdcp.py runs echo with logprobs on real engines. The mock model gives every prompt token
-logprob -0.25 and every output token -0.5."""
+logprob -0.25 and every output token -0.5. Also here: logprobs naming tokens by id
+(``return_tokens_as_token_ids``), which RL frameworks read."""
 
 from __future__ import annotations
 
@@ -291,5 +292,32 @@ def test_a_large_echo_is_framed_off_the_event_loop(tiny_tokenizer, monkeypatch, 
         offloaded.clear()
         status, data = await completion(app, PROMPT, max_tokens=3, echo=True, logprobs=0, stream=stream)  # under it
         assert status == 200 and offloaded == []
+
+    run(body, args(), tiny_tokenizer)
+
+
+def test_return_tokens_as_token_ids_names_every_token_by_its_id(tiny_tokenizer):
+    """As vLLM's server: ``token_id:<id>`` for each token and alternative (the offsets go by
+    those names); a chat token's bytes stay its text's."""
+
+    async def body(app: App) -> None:
+        status, data = await completion(app, PROMPT, max_tokens=3, echo=True, logprobs=1, return_tokens_as_token_ids=True)
+        assert status == 200, data
+        logprobs = data["choices"][0]["logprobs"]
+        ids = [*PROMPT, *expected(PROMPT, 3)]
+        names = [f"token_id:{t}" for t in ids]
+        assert logprobs["tokens"] == names
+        assert logprobs["top_logprobs"][1] == {names[1]: -0.25} and logprobs["top_logprobs"][-1] == {names[-1]: -0.5}
+        assert logprobs["text_offset"] == [sum(len(n) for n in names[:i]) for i in range(len(names))]
+        request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 1}
+        status, data = await body_of(await app.service.http("chat", json.dumps({**request, "return_tokens_as_token_ids": True}).encode()))
+        _, plain = await body_of(await app.service.http("chat", json.dumps(request).encode()))
+        assert status == 200, data
+        for named, text in zip(data["choices"][0]["logprobs"]["content"], plain["choices"][0]["logprobs"]["content"], strict=True):
+            token_id = int(named["token"].removeprefix("token_id:"))
+            assert named["token"] == f"token_id:{token_id}" and tiny_tokenizer.decode([token_id]) == text["token"]
+            assert named["bytes"] == text["bytes"]
+            assert [t["token"] for t in named["top_logprobs"]] == [f"token_id:{token_id}"]
+            assert named["top_logprobs"][0]["bytes"] == list(f"token_id:{token_id}".encode())
 
     run(body, args(), tiny_tokenizer)

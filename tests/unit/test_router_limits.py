@@ -96,7 +96,6 @@ HOSTILE = {
     "truncate_prompt_tokens to nothing": ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     "priority": ({"priority": 1}, "priority"),
     "logprob_token_ids": ({"logprob_token_ids": [5]}, "logprob_token_ids"),
-    "return_tokens_as_token_ids": ({"return_tokens_as_token_ids": True, "logprobs": 1}, "return_tokens_as_token_ids"),
     "spaces_between_special_tokens": ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     "return_token_offsets": ({"return_token_offsets": True}, "return_token_offsets"),
     "continuous_usage_stats": ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, None),
