@@ -160,6 +160,7 @@ class ParsedRequest:
     # framing costs beyond the output's (router/session.py frames a large one off the event loop).
     prompt_logprob_entries: int = 0
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage in every chunk
 
     @property
     def choices(self) -> tuple[ParsedRequest, ...]:
@@ -343,6 +344,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         echo_only=echo_only,
         prompt_logprob_entries=0 if prompt_logprobs is None else len(samples[0][0]) * (prompt_logprobs + 1),
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
+        continuous_usage=bool(stream_options and stream_options.include_usage and getattr(stream_options, "continuous_usage_stats", False)),
     )
     if n == 1 and len(samples) == 1:
         return first
@@ -615,8 +617,6 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
     for name in ("return_token_offsets", "return_prompt_text"):  # newer vLLMs' fields
         if getattr(request, name, None):
             refuse(name, name)
-    if request.stream_options is not None and getattr(request.stream_options, "continuous_usage_stats", False):
-        refuse("stream_options.continuous_usage_stats", "stream_options.continuous_usage_stats (usage in every chunk)")
     if route == "completions":
         if request.suffix is not None:
             refuse("suffix", "suffix")

@@ -26,7 +26,7 @@ from serve_app.router.cdcp import (
 )
 from serve_app.router.engine_client import one_line
 from serve_app.router.errors import error_body
-from serve_app.router.framing import ResponseFramer
+from serve_app.router.framing import ResponseFramer, usage
 from serve_app.router.parsing import ParsedRequest
 from serve_app.router.recompute import Action, Emission, RecomputeStateMachine, Step
 from serve_app.router.text import DecodeTextStream, StopMatcher
@@ -104,6 +104,8 @@ class ResponseSession:
                     batch = await asyncio.to_thread(self.framer.chunks, emission)
                 else:
                     batch = self.framer.chunks(emission)
+                if self.request.continuous_usage:
+                    self._add_usage(batch)
                 if emission.error is not None:
                     batch.append(self._error(emission))
                     yield batch
@@ -115,6 +117,16 @@ class ResponseSession:
                     yield batch
         if usage_due:
             yield [self._usage_chunk()]
+
+    def _add_usage(self, chunks: list[dict[str, Any]]) -> None:
+        """``continuous_usage_stats``: each chunk's usage so far, as vLLM's server counts it (a chat
+        reply's role chunk before any output)."""
+        m = self.machine
+        reasoning = self.framer.reasoning_tokens(m.output_token_ids)
+        for chunk in chunks:
+            opening = bool(chunk["choices"]) and "role" in chunk["choices"][0].get("delta", {})
+            so_far = usage(m.prompt_tokens, 0 if opening else m.completion_tokens, 0 if opening and reasoning is not None else reasoning)
+            chunk["usage"] = so_far.model_dump(mode="json", exclude_none=True)
 
     def _usage_chunk(self) -> dict[str, Any]:
         m = self.machine

@@ -321,3 +321,29 @@ def test_return_tokens_as_token_ids_names_every_token_by_its_id(tiny_tokenizer):
             assert named["top_logprobs"][0]["bytes"] == list(f"token_id:{token_id}".encode())
 
     run(body, args(), tiny_tokenizer)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tiny_tokenizer):
+    """As vLLM's server (with include_usage): each chunk's usage so far, each choice's own."""
+
+    async def body(app: App) -> None:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        status, events = await completion(app, PROMPT, max_tokens=6, n=2, temperature=1.0, stream=True, stream_options=options)
+        assert status == 200
+        chunks = [e for e in events if isinstance(e, dict)]
+        seen: dict[int, int] = {}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk["choices"]
+            seen[choice["index"]] = seen.get(choice["index"], 0) + len(choice["token_ids"])
+            so_far = seen[choice["index"]]
+            assert chunk["usage"] == {"prompt_tokens": 8, "completion_tokens": so_far, "total_tokens": 8 + so_far}
+        assert chunks[-1]["usage"]["completion_tokens"] == 12 and seen == {0: 6, 1: 6}
+        request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True, "stream_options": options}
+        status, events = await body_of(await app.service.http("chat", json.dumps(request).encode()))
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[0]["usage"]["completion_tokens"] == 0
+        assert [c["usage"]["completion_tokens"] for c in chunks[1:]][-2:] == [4, 4]  # the last choice chunk, the usage chunk
+        plain = await completion(app, PROMPT, max_tokens=3, stream=True, stream_options={"include_usage": True})
+        assert all("usage" not in e for e in plain[1] if isinstance(e, dict) and e["choices"])
+
+    run(body, args(), tiny_tokenizer)

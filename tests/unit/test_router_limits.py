@@ -98,7 +98,6 @@ HOSTILE = {
     "logprob_token_ids": ({"logprob_token_ids": [5]}, "logprob_token_ids"),
     "spaces_between_special_tokens": ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     "return_token_offsets": ({"return_token_offsets": True}, "return_token_offsets"),
-    "continuous_usage_stats": ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, None),
     # Inside msgpack's range but outside the vocabulary: vLLM's own checks, before any engine.
     "logit_bias key outside the vocabulary": ({"logit_bias": {"1000000": 1.0}}, "logit_bias"),
     "negative logit_bias key": ({"logit_bias": {"-1": 1.0}}, "logit_bias"),
