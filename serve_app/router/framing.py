@@ -47,6 +47,9 @@ class ResponseFramer:
         self._parser_failed = False  # it raised: the rest of the text goes on unparsed
         self._auto_calls = 0  # the calls an auto choice's parser has opened
         self._echoed = False  # the echo (ParsedRequest.echo) has been sent
+        self._reasoning_counter: Any = None  # a parser kept for counting the reply's thinking
+        # The chunks of the latest ``chunks`` that open a chat reply (its role, its echo): before any output.
+        self.opening_chunks = 0
 
     def _prompt_ids_once(self) -> list[int] | None:
         """The prompt's token ids for each choice's first chunk (``return_token_ids``, as vLLM's
@@ -60,6 +63,7 @@ class ResponseFramer:
     def chunks(self, emission: Emission) -> list[dict[str, Any]]:
         """The stream chunks for one step (none when it carries nothing the client can see)."""
         out: list[dict[str, Any]] = []
+        self.opening_chunks = 0
         visible = bool(emission.text or emission.token_ids or emission.finish_reason)
         if self.request.route == "chat":
             # The role delta opens the first chunk that shows something; an error before any
@@ -69,6 +73,7 @@ class ResponseFramer:
                 out.append(self._chat_chunk({"role": "assistant", "content": ""}, None, None, None))
                 if self.request.echo:  # the last message, as its own chunk (as vLLM's server)
                     out.append(self._chat_chunk({"content": self.request.echo}, None, None, None))
+                self.opening_chunks = len(out)
             if visible:
                 delta = self._chat_delta(emission)
                 if not delta and not emission.finish_reason and not self._carries_token_data(emission):
@@ -181,7 +186,7 @@ class ResponseFramer:
         if split is None:
             return None
         try:
-            parser = split.new_parser()
+            parser = self._reasoning_counter = self._reasoning_counter or split.new_parser()
             count = getattr(parser, "count_reasoning_tokens", None)
             return None if count is None else int(count(tuple(token_ids)))
         except Exception:  # the count is a courtesy: never fail a reply the engines computed

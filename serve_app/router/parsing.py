@@ -292,9 +292,10 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         logprobs = request.logprobs
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+    echoes = _echoes(route, request, prompts, ctx)  # (the prompt as sent, however it is cut: as vLLM's server)
     if request.truncate_prompt_tokens is not None:
-        prompts = [_truncated(ids, request.truncate_prompt_tokens, request.truncation_side, max_tokens, ctx) for ids in prompts]
-    echoes = _echoes(route, request, prompts, ctx)
+        cut = functools.partial(_truncated, keep=request.truncate_prompt_tokens, side=request.truncation_side, max_tokens=max_tokens)
+        prompts = [cut(ids, param=max_tokens_param, ctx=ctx) for ids in prompts]
     # Only a completion's echo reads the prompt's logprobs (vLLM's chat echo asks for them too, and
     # sends them in a field of its own, which pd-serve has not: a client's prompt_logprobs is refused).
     prompt_logprobs = logprobs if route == "completions" and request.echo else None
@@ -656,26 +657,25 @@ def _echoes(route: Route, request: Any, prompts: list[list[int]], ctx: ModelCont
         return [_text_content(field_of("content"), len(request.messages) - 1) if field_of("role") == role else ""]
     if request.return_token_ids:  # the prompt's token ids carry it
         return [""] * len(prompts)
-    as_sent = request.truncate_prompt_tokens is None  # else what is left of it
-    raws = _raw_prompts(request)
-    return [raw if isinstance(raw, str) and as_sent else ctx.tokenizer.decode(ids) for raw, ids in zip(raws, prompts, strict=True)]
+    return [raw if isinstance(raw, str) else ctx.tokenizer.decode(ids) for raw, ids in zip(_raw_prompts(request), prompts, strict=True)]
 
 
-def _truncated(ids: list[int], keep: int, side: str | None, max_tokens: int | None, ctx: ModelContext) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: at most ``keep`` of the prompt's tokens (-1: as many as
-    the context holds beside one token of output, or all of it where max_tokens is left out),
-    the first ones or, with ``truncation_side: left`` (or a tokenizer that truncates on the
-    left), the last ones."""
-    if keep > ctx.max_model_len:
+def _truncated(ids: list[int], *, keep: int, side: str | None, max_tokens: int | None, param: str, ctx: ModelContext) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``, as vLLM 0.23 reads it (the router refuses a prompt with
+    no room for max_tokens where vLLM 0.32 cuts max_tokens down): at most ``keep`` of the
+    prompt's tokens, up to what leaves room for max_tokens (-1: that many), the first ones or,
+    with ``truncation_side: left`` (or a tokenizer that truncates on the left), the last ones."""
+    room = ctx.max_model_len - max(1, max_tokens or 0)
+    if keep > room:
         raise bad_request(
-            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = {ctx.max_model_len}. "
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - {param} = {room}. "
             "Please request a smaller truncation size.",
             param="truncate_prompt_tokens",
         )
     if keep == 0:
         raise bad_request("truncate_prompt_tokens=0 leaves no prompt", param="truncate_prompt_tokens")
     if keep < 0:
-        keep = ctx.max_model_len - 1 if max_tokens else ctx.max_model_len
+        keep = room
     if keep >= len(ids):
         return ids
     if (side or getattr(ctx.tokenizer, "truncation_side", "right")) == "left":

@@ -123,8 +123,8 @@ class ResponseSession:
         reply's role chunk before any output)."""
         m = self.machine
         reasoning = self.framer.reasoning_tokens(m.output_token_ids)
-        for chunk in chunks:
-            opening = bool(chunk["choices"]) and "role" in chunk["choices"][0].get("delta", {})
+        for i, chunk in enumerate(chunks):
+            opening = i < self.framer.opening_chunks
             so_far = usage(m.prompt_tokens, 0 if opening else m.completion_tokens, 0 if opening and reasoning is not None else reasoning)
             chunk["usage"] = so_far.model_dump(mode="json", exclude_none=True)
 

@@ -343,6 +343,12 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tiny_tokeniz
         chunks = [e for e in events if isinstance(e, dict)]
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[0]["usage"]["completion_tokens"] == 0
         assert [c["usage"]["completion_tokens"] for c in chunks[1:]][-2:] == [4, 4]  # the last choice chunk, the usage chunk
+        # A chat echo's chunk comes before any output too.
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+        status, events = await body_of(await app.service.http("chat", json.dumps({**request, "messages": messages, "echo": True}).encode()))
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert chunks[1]["choices"][0]["delta"]["content"] == "Hello" and chunks[1]["usage"]["completion_tokens"] == 0
+        assert chunks[2]["usage"]["completion_tokens"] > 0
         plain = await completion(app, PROMPT, max_tokens=3, stream=True, stream_options={"include_usage": True})
         assert all("usage" not in e for e in plain[1] if isinstance(e, dict) and e["choices"])
 

@@ -229,29 +229,33 @@ def test_chat_template_inputs_are_passed_on_or_refused_never_dropped(tiny_tokeni
 
 
 def test_truncate_prompt_tokens_cuts_as_vllms_renderer_does(ctx, tiny_tokenizer):
-    """vLLM's truncate_prompt_tokens, against vLLM 0.32's own TokenizeParams: the first tokens
-    (the tokenizer's side) or, with truncation_side left, the last; -1 as many as the context
-    holds beside one token of output. (What is left must hold max_tokens too: the router refuses
-    where vLLM 0.32's server would cut max_tokens down.)"""
-    pytest.importorskip("vllm.renderers.params")  # vLLM 0.32's renderer (0.23 cuts in its tokenizer call)
+    """vLLM's truncate_prompt_tokens, against vLLM's own TokenizeParams: the first tokens (the
+    tokenizer's side) or, with truncation_side left, the last; at most, and with -1 exactly, what
+    leaves room for max_tokens (vLLM 0.23's meaning: the router refuses where vLLM 0.32 keeps
+    max_model_len - 1 tokens and cuts max_tokens down)."""
     from vllm.renderers.params import TokenizeParams
 
     prompt = list(range(10, 210))  # 200 tokens, over the context of 128
-    for keep in (-1, 1, 5, 127, 128):
-        for side in (None, "left", "right"):
-            for max_tokens in (1, 4):
+    for side in (None, "left", "right"):
+        for max_tokens in (1, 4):
+            for keep in (1, 5, 124, 127):
                 body = {"prompt": prompt, "truncate_prompt_tokens": keep, "truncation_side": side, "max_tokens": max_tokens}
+                if keep > 128 - max_tokens:
+                    assert refused(ctx, "completions", body).param == "truncate_prompt_tokens"
+                    continue
                 theirs = TokenizeParams(
                     max_total_tokens=128, max_output_tokens=max_tokens, truncate_prompt_tokens=keep, truncation_side=side
                 )._token_truncation(tiny_tokenizer, prompt)
-                if len(theirs) + max_tokens > 128:
-                    assert refused(ctx, "completions", body).param in ("prompt", "max_tokens")
-                    continue
-                assert parse_request("completions", body, ctx).prompt_token_ids == theirs, body
-    # A text prompt too long for the context is tokenized whole before it is cut.
+                assert parse_request("completions", {**body}, ctx).prompt_token_ids == theirs, body
+            body = {"prompt": prompt, "truncate_prompt_tokens": -1, "truncation_side": side, "max_tokens": max_tokens}
+            cut = parse_request("completions", body, ctx)
+            assert cut.prompt_token_ids == (prompt[-(128 - max_tokens) :] if side == "left" else prompt[: 128 - max_tokens])
+    # A text prompt too long for the context is tokenized whole before it is cut; an echo is
+    # the prompt as sent, as vLLM's server echoes it.
     long_text = "the river " * 2000
-    parsed = parse_request("completions", {"prompt": long_text, "truncate_prompt_tokens": 20, "truncation_side": "left"}, ctx)
-    assert parsed.prompt_token_ids == tiny_tokenizer.encode(long_text)[-20:]
+    body = {"prompt": long_text, "truncate_prompt_tokens": 20, "truncation_side": "left", "echo": True}
+    parsed = parse_request("completions", body, ctx)
+    assert parsed.prompt_token_ids == tiny_tokenizer.encode(long_text)[-20:] and parsed.echo == long_text
     messages = [{"role": "user", "content": long_text}]
-    assert len(parse_request("chat", {"messages": messages, "truncate_prompt_tokens": -1, "max_tokens": 1}, ctx).prompt_token_ids) == 127
+    assert len(parse_request("chat", {"messages": messages, "truncate_prompt_tokens": -1}, ctx).prompt_token_ids) == 127
     assert refused(ctx, "chat", {"messages": messages}).param == "messages"
