@@ -46,8 +46,10 @@ $(VLLM023): scripts/make_vllm023_overlay.py $(REFERENCE)
 run: setup
 	$(VENV)/bin/serve run $(CONFIG)
 
+# The whole suite (what CI runs), ending with its slowest tests: it must stay under 30 minutes on
+# 2 cores, and the list says where its time goes.
 test: setup lint $(REFERENCE) $(VLLM023)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest --durations=25
 
 # The fast tests alone (no Ray cluster, no vLLM engine, no fresh Python processes: the others are
 # marked engine or slow), with the router's coverage: under a minute on 2 cores. In FAST_WORKERS
