@@ -42,17 +42,11 @@ class ChoicesSession:
     ) -> None:
         self.request = request
         # The usage chunk is the response's, sent once, after every choice has finished.
+        # In index order: choice i is sample i % n of prompt i // n.
         self.sessions = [session_of(replace(choice, include_usage=False, others=())) for choice in request.choices]
-        self._gates: list[asyncio.Event | None] = []
-        self._firsts: list[ResponseSession] = []  # each choice's prompt's first sample
-        for session in self.sessions:
-            if session.request.index % request.n == 0:  # a prompt's first sample
-                first, first_token = session, asyncio.Event()
-                session.on_first_token = first_token.set
-                self._gates.append(None)
-            else:
-                self._gates.append(first_token)
-            self._firsts.append(first)
+        self._first_token = [asyncio.Event() for _ in self.sessions[:: request.n]]  # each prompt's first sample's
+        for first, event in zip(self.sessions[:: request.n], self._first_token, strict=True):
+            first.on_first_token = event.set
         self.status = 200
         self.client_wait_s = 0.0
         self._started = received_at if received_at is not None else time.monotonic()
@@ -62,12 +56,6 @@ class ChoicesSession:
         return all(session.finished for session in self.sessions)
 
     # ------------------------------------------------------------------ streaming
-    async def stream_events(self) -> AsyncIterator[dict[str, Any]]:
-        async with aclosing(self.event_batches()) as batches:
-            async for batch in batches:
-                for event in batch:
-                    yield event
-
     async def event_batches(self) -> AsyncIterator[list[dict[str, Any]]]:
         """Each choice's groups of events as they come; a choice's error ends the stream. At
         most as many groups as there are choices wait for the client: a client that reads slowly
@@ -120,7 +108,7 @@ class ChoicesSession:
     def _usage(self) -> tuple[int, int, int | None]:
         """As vLLM's server counts them: each prompt once, however many samples it has; every
         choice's output, and its thinking where the server counts it."""
-        prompts = sum(s.machine.prompt_tokens for s in self.sessions if s.request.index % self.request.n == 0)
+        prompts = sum(s.machine.prompt_tokens for s in self.sessions[:: self.request.n])
         reasoning = [s.framer.reasoning_tokens(s.machine.output_token_ids) for s in self.sessions]
         counted = [count for count in reasoning if count is not None]
         return prompts, sum(s.machine.completion_tokens for s in self.sessions), sum(counted) if counted else None
@@ -150,11 +138,11 @@ class ChoicesSession:
     async def _start(self, i: int) -> None:
         """Choice i may start: at once for a prompt's first sample, after its first token for the
         others, which take the prompt's logprobs (an echo's) from it rather than ask again."""
-        gate = self._gates[i]
-        if gate is None:
+        n = self.request.n
+        if i % n == 0:
             return
-        await gate.wait()
-        self.sessions[i].machine.prompt_logprobs = self._firsts[i].machine.prompt_logprobs
+        await self._first_token[i // n].wait()
+        self.sessions[i].machine.prompt_logprobs = self.sessions[i - i % n].machine.prompt_logprobs
 
     # ------------------------------------------------------------------ metrics
     def observe_times(self) -> None:

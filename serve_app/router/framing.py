@@ -210,10 +210,8 @@ class ResponseFramer:
     def _completion_chunk(self, emission: Emission) -> dict[str, Any]:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
-        text, logprobs, prompt_logprobs = emission.text, emission.logprobs, None
-        prompt_ids = self._prompt_ids_once()
-        if self.request.echo_only:  # the prompt alone
-            text, logprobs = "", [] if logprobs is not None else None
+        text, logprobs = self._output_shown(emission.text, emission.logprobs)
+        prompt_logprobs, prompt_ids = None, self._prompt_ids_once()
         if self.request.echo is not None and not self._echoed:  # the prompt, in the first chunk
             self._echoed = True
             text = self.request.echo + text
@@ -308,8 +306,7 @@ class ResponseFramer:
 
             self._text_offset = 0
             echo = self.request.echo
-            if self.request.echo_only:  # the prompt alone
-                text, logprobs = "", [] if logprobs is not None else None
+            text, logprobs = self._output_shown(text, logprobs)
             choice = CompletionResponseChoice(
                 index=self.request.index,
                 text=text if echo is None else echo + text,
@@ -382,6 +379,13 @@ class ResponseFramer:
         return fields
 
     # ------------------------------------------------------------------ logprobs
+    def _output_shown(self, text: str, logprobs: list[TokenLogprob] | None) -> tuple[str, list[TokenLogprob] | None]:
+        """A completion's output as the response shows it: none of it for an echo of the prompt
+        alone (max_tokens 0: the engine's one token is left out, as on vLLM's server)."""
+        if self.request.echo_only:
+            return "", None if logprobs is None else []
+        return text, logprobs
+
     def _prompt_logprobs(self, prompt_logprobs: list[TokenLogprob | None] | None) -> list[tuple[int, TokenLogprob | None]] | None:
         """An echoed prompt's tokens and their logprobs (where the request wants logprobs); None
         where the engines gave none (logged: vLLM's server would fail the request instead)."""

@@ -299,8 +299,12 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     # Only a completion's echo reads the prompt's logprobs (vLLM's chat echo asks for them too, and
     # sends them in a field of its own, which pd-serve has not: a client's prompt_logprobs is refused).
     prompt_logprobs = logprobs if route == "completions" and request.echo else None
+
+    def logprob_entries(ids: list[int]) -> int:  # a choice's prompt logprobs, framed (ParsedRequest)
+        return 0 if prompt_logprobs is None else len(ids) * (prompt_logprobs + 1)
+
     if prompt_logprobs is not None:
-        entries = sum(len(p) for p in prompts) * n * (prompt_logprobs + 1)
+        entries = sum(map(logprob_entries, prompts)) * n
         if entries > MAX_PROMPT_LOGPROB_ENTRIES:
             raise bad_request(
                 f"echo with logprobs asks for {entries} logprobs of the prompts (their tokens times n times logprobs + 1); "
@@ -343,7 +347,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         count=len(samples) * n,
         echo=echoes[0],
         echo_only=echo_only,
-        prompt_logprob_entries=0 if prompt_logprobs is None else len(samples[0][0]) * (prompt_logprobs + 1),
+        prompt_logprob_entries=logprob_entries(samples[0][0]),
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
         continuous_usage=bool(stream_options and stream_options.include_usage and getattr(stream_options, "continuous_usage_stats", False)),
     )
@@ -354,11 +358,11 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
             first,
             index=p * n + i,
             prompt_token_ids=prompt_token_ids,
-            sampling_params=_nth_sample(params, i, prompt_logprobs=i == 0),
+            sampling_params=_nth_sample(params, i),
             max_tokens=params.max_tokens,
             tool_choice=replace(tool_choice, call_id=new_call_id()) if isinstance(tool_choice, ForcedCall) else tool_choice,
             echo=echoes[p],
-            prompt_logprob_entries=0 if prompt_logprobs is None else len(prompt_token_ids) * (prompt_logprobs + 1),
+            prompt_logprob_entries=logprob_entries(prompt_token_ids),
         )
         for p, (prompt_token_ids, params) in enumerate(samples)
         for i in range(n)
@@ -412,17 +416,16 @@ def _sampling_params(
     return params, stops
 
 
-def _nth_sample(params: Any, i: int, prompt_logprobs: bool = True) -> Any:
+def _nth_sample(params: Any, i: int) -> Any:
     """The i-th of a prompt's n samples, as vLLM's engine makes them (its ParentRequest): the same
     parameters, with seed + i where the request is seeded, so that each is reproducible apart.
     Only the first asks for the prompt's logprobs (router/choices.py gives the others its own)."""
-    asks = prompt_logprobs or params.prompt_logprobs is None
-    if i == 0 or (params.seed is None and asks):
+    if i == 0 or (params.seed is None and params.prompt_logprobs is None):
         return params
     sample = copy.copy(params)
     if params.seed is not None:
         sample.seed = params.seed + i
-    if not asks:
+    if params.prompt_logprobs is not None:
         sample.prompt_logprobs, sample.skip_reading_prefix_cache = None, False
     return sample
 
@@ -715,7 +718,7 @@ def _completion_prompt_ids(prompt: Any, add_special_tokens: bool, where: str, ct
             of = f" in {where}" if where != "prompt" else ""
             raise bad_request(f"Token id {bad[0]}{of} is out of range [0, {ctx.vocab_size})", param="prompt")
     if not ids:
-        raise bad_request(f"The {where} is empty" if where != "prompt" else "The prompt is empty", param="prompt")
+        raise bad_request(f"The {where} is empty", param="prompt")
     return ids
 
 

@@ -344,11 +344,12 @@ class RouterService:
             return
         session = self._session(parsed, received)
         with self._in_flight(route, session) as outcome:
-            async with contextlib.aclosing(session.stream_events()) as events:  # released however the caller leaves
-                async for event in events:
-                    started = time.perf_counter()
-                    yield event
-                    session.client_wait_s += time.perf_counter() - started
+            async with contextlib.aclosing(session.event_batches()) as batches:  # released however the caller leaves
+                async for batch in batches:
+                    for event in batch:  # a failure ends the stream with an error event
+                        started = time.perf_counter()
+                        yield event
+                        session.client_wait_s += time.perf_counter() - started
             outcome.status = session.status
 
     async def complete(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -85,13 +85,6 @@ class ResponseSession:
         self._without_prompt_logprobs: Any = None  # the parameters once the prompt's logprobs are in
 
     # ------------------------------------------------------------------ client-facing
-    async def stream_events(self) -> AsyncIterator[dict[str, Any]]:
-        """Stream chunks; a failure ends the stream with an error event."""
-        async with aclosing(self.event_batches()) as batches:
-            async for batch in batches:
-                for event in batch:
-                    yield event
-
     async def event_batches(self) -> AsyncIterator[list[dict[str, Any]]]:
         """The stream's events, grouped as they become ready together: one step's chunks (chat:
         the role delta with the first text), and the usage chunk with the step that finishes the
