@@ -167,6 +167,7 @@ def started(cmd: list[str], env: dict[str, str], log: Path, health_url: str, rep
     stopped by SIGTERM (and SIGKILL of its group if it lingers) after, also when the benchmark
     itself is stopped by SIGTERM (its own session would otherwise outlive it, holding ports)."""
     env = {**env, "PYTHONPATH": str(repo)} if repo != REPO_ROOT else env
+    others = serving_pids()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=repo, start_new_session=True)
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if threading.current_thread() is threading.main_thread() else None
@@ -192,17 +193,27 @@ def started(cmd: list[str], env: dict[str, str], log: Path, health_url: str, rep
             os.killpg(proc.pid, signal.SIGKILL)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        wait_for_no_engines()
+        wait_for_no_engines(others)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def wait_for_no_engines(timeout_s: float = 60) -> None:
+SERVING_KINDS = ("engine core", "worker", "router", "engine replica", "api server")
+
+
+def serving_pids() -> set[int]:
+    return {p.pid for p in psutil.process_iter() if kind_of(p) in SERVING_KINDS}
+
+
+def wait_for_no_engines(others: set[int], timeout_s: float = 60) -> None:
+    """Until the serving processes a target started are gone (their ports and cores free for the
+    next target); ``others``, those that ran before it (another app, a test's cluster), are not
+    waited for."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not any(kind_of(p) in ("engine core", "worker", "router", "engine replica", "api server") for p in psutil.process_iter()):
+        if not serving_pids() - others:
             return
         time.sleep(1)
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -143,6 +146,35 @@ def test_a_failed_start_reports_the_end_of_its_log(bench, tmp_path):
     with pytest.raises(RuntimeError, match="Address already in use"):
         with bench.started(cmd, {}, log, "http://127.0.0.1:9/health", bench.REPO_ROOT, timeout_s=30):
             pass
+
+
+def test_a_stopped_target_waits_for_its_own_serving_processes_not_for_others(bench, tmp_path):
+    """Another app's engines (the test suite's own cluster, a server a user left running) are not
+    the stopped target's: its stop waits for those it started only, not for its whole timeout."""
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "vllm.entrypoints.openai.api_server"])
+    try:
+        deadline = time.monotonic() + 30
+        while stranger.pid not in bench.serving_pids():
+            assert time.monotonic() < deadline, "the stand-in server is not seen as one"
+            time.sleep(0.1)
+        log = tmp_path / "server.log"
+        server = [sys.executable, "-c", "import time; time.sleep(300)", "vllm.entrypoints.openai.api_server"]
+        ours: list[int] = []
+
+        def start_and_stop() -> None:
+            with pytest.raises(TimeoutError):
+                with bench.started(server, {}, log, "http://127.0.0.1:9/health", bench.REPO_ROOT, timeout_s=1):
+                    pass
+            ours.extend(bench.serving_pids() - {stranger.pid})
+
+        stop = threading.Thread(target=start_and_stop, daemon=True)
+        stop.start()
+        stop.join(40)  # the server's SIGTERM and a second or two; waiting for the stranger: 60 s
+        assert not stop.is_alive(), "the stop waited for a server it did not start"
+        assert stranger.poll() is None and ours == []
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 def test_a_streams_events_are_its_json_data_lines_without_done_comments_or_blank_lines(bench):
