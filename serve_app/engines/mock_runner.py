@@ -175,7 +175,7 @@ class MockEngine:
                         delta.logprobs = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in tokens]
                     if first:
                         if seq.prompt_logprobs is not None:  # the mock model's: -0.25 for every prompt token
-                            delta.prompt_logprobs = [None] + [TokenLogprob(t, -0.25, ((t, -0.25),)) for t in seq.prompt[1:]]
+                            delta.prompt_logprobs = [None] + [TokenLogprob(t, -0.25, ((t, -0.25),), rank=1) for t in seq.prompt[1:]]
                         delta.num_cached_tokens = seq.cached_tokens
                         record["num_cached_tokens"] = seq.cached_tokens
                         first = False

@@ -238,4 +238,5 @@ def _to_token_logprob(token_id: int, position: dict[int, Any], k: int) -> TokenL
     """vLLM gives the sampled token plus the top-k by rank; the sampled one may rank below k."""
     ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
     top = tuple((tid, float(lp.logprob)) for tid, lp in ranked if k < 0 or (lp.rank is not None and lp.rank <= k))
-    return TokenLogprob(token_id=token_id, logprob=float(position[token_id].logprob), top=top)
+    own = position[token_id]
+    return TokenLogprob(token_id=token_id, logprob=float(own.logprob), top=top, rank=own.rank)

@@ -324,6 +324,11 @@ class ResponseFramer:
                 usage=use,
             )
         data = _dump(response, keep_choice_keys=("finish_reason", "stop_reason", "logprobs"))
+        if self.request.prompt_logprobs is not None:  # a completion's choice has its own; a chat reply has one, its first's
+            if self.request.route != "chat":
+                data["choices"][0]["prompt_logprobs"] = self._prompt_logprobs_field(prompt_logprobs)
+            elif self.request.index == 0:
+                data["prompt_logprobs"] = self._prompt_logprobs_field(prompt_logprobs)
         for choice in data["choices"]:
             if "message" in choice:  # OpenAI's message always has content: null beside tool calls
                 choice["message"].setdefault("content", None)
@@ -397,6 +402,28 @@ class ResponseFramer:
             prompt_logprobs = [None] * len(ids)
         return list(zip(ids, prompt_logprobs, strict=True))
 
+    def _prompt_logprobs_field(self, prompt_logprobs: list[TokenLogprob | None] | None) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs`` field: per prompt token (None for the first, which nothing
+        predicts) its logprob, rank and text, then the top k's, keyed by token id."""
+        k = self.request.prompt_logprobs or 0
+        ids = self.request.prompt_token_ids
+        if prompt_logprobs is None or len(prompt_logprobs) != len(ids):
+            logger.warning("request %s: the engine gave no logprobs of the prompt", self.request.response_id)
+            prompt_logprobs = [None] * len(ids)
+        field: list[dict[str, Any] | None] = []
+        for lp in prompt_logprobs:
+            if lp is None:
+                field.append(None)
+                continue
+            entries = {str(lp.token_id): self._ranked(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (tid, value) in enumerate(lp.top[:k], start=1):
+                entries.setdefault(str(tid), self._ranked(tid, value, rank))
+            field.append(entries)
+        return field
+
+    def _ranked(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": self.token_text(token_id)}
+
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, prompt: list[tuple[int, TokenLogprob | None]] | None = None) -> Any:
         """The legacy API's logprobs of these tokens, after an echoed prompt's (``prompt``: its
         first token, which nothing predicts, has none)."""
@@ -418,7 +445,7 @@ class ResponseFramer:
             out.token_logprobs.append(json_logprob(lp.logprob))
             # The legacy API's top_logprobs always holds the sampled token, beside the top k.
             top = {token: json_logprob(lp.logprob)}
-            top.update((self._label(tid), json_logprob(value)) for tid, value in lp.top if tid != lp.token_id)
+            top.update((self._label(tid), json_logprob(value)) for tid, value in lp.top[: self.request.logprobs] if tid != lp.token_id)
             out.top_logprobs.append(top)
         # The next chunk's offsets go on from these tokens' text, as vLLM's server counts them
         # (not from the text sent, which lags the tokens while a stop string may be forming).

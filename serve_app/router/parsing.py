@@ -156,8 +156,12 @@ class ParsedRequest:
     # prompt's logprobs too (``sampling_params.prompt_logprobs``).
     echo: str | None = None
     echo_only: bool = False  # a completion's echo with max_tokens 0: the prompt alone (as vLLM's server)
-    # The echoed prompt's logprob entries this choice sends (tokens times logprobs + 1): what its
-    # framing costs beyond the output's (router/session.py frames a large one off the event loop).
+    # vLLM's ``prompt_logprobs`` field of the reply (each prompt token's logprob, rank and text,
+    # with the top k): k, or None where the reply has no such field.
+    prompt_logprobs: int | None = None
+    # The prompt logprob entries this choice sends (tokens times k + 1, for an echo's logprobs and
+    # for the field): what its framing costs beyond the output's (router/session.py frames a large
+    # one off the event loop).
     prompt_logprob_entries: int = 0
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage in every chunk
@@ -296,20 +300,26 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     if request.truncate_prompt_tokens is not None:
         cut = functools.partial(_truncated, keep=request.truncate_prompt_tokens, side=request.truncation_side, max_tokens=max_tokens)
         prompts = [cut(ids, param=max_tokens_param, ctx=ctx) for ids in prompts]
-    # Only a completion's echo reads the prompt's logprobs (vLLM's chat echo asks for them too, and
-    # sends them in a field of its own, which pd-serve has not: a client's prompt_logprobs is refused).
-    prompt_logprobs = logprobs if route == "completions" and request.echo else None
+    # The prompt's logprobs: a client's prompt_logprobs (vLLM's field), else an echo's (a
+    # completion's with logprobs, a chat request's with its top_logprobs: vLLM's server asks for
+    # them on every echo). Only a reply that is not streamed shows them (vLLM's server refuses
+    # prompt_logprobs above 0 with stream, and sends none of them in a stream).
+    shown = _shown_prompt_logprobs(route, request, ctx)
+    echo_logprobs = logprobs if route == "completions" and request.echo else None
+    asked = [k for k in (shown, echo_logprobs) if k is not None]
+    prompt_logprobs = max(asked) if asked else None
 
     def logprob_entries(ids: list[int]) -> int:  # a choice's prompt logprobs, framed (ParsedRequest)
-        return 0 if prompt_logprobs is None else len(ids) * (prompt_logprobs + 1)
+        return sum(len(ids) * (k + 1) for k in asked)
 
     if prompt_logprobs is not None:
         entries = sum(map(logprob_entries, prompts)) * n
         if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            param = "prompt_logprobs" if shown is not None else "logprobs"
             raise bad_request(
-                f"echo with logprobs asks for {entries} logprobs of the prompts (their tokens times n times logprobs + 1); "
+                f"{param} asks for {entries} logprobs of the prompts (their tokens times n times each top k + 1); "
                 f"this server sends at most {MAX_PROMPT_LOGPROB_ENTRIES} per request",
-                param="logprobs",
+                param=param,
             )
     # vLLM's echo of the prompt alone: the engine makes one token, which the response leaves out.
     echo_only = route == "completions" and bool(request.echo) and max_tokens == 0
@@ -347,6 +357,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         count=len(samples) * n,
         echo=echoes[0],
         echo_only=echo_only,
+        prompt_logprobs=shown,
         prompt_logprob_entries=logprob_entries(samples[0][0]),
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
         continuous_usage=bool(stream_options and stream_options.include_usage and getattr(stream_options, "continuous_usage_stats", False)),
@@ -608,8 +619,6 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
         raise bad_request(f"n must be at least 1, got {request.n}", param="n")
     if request.use_beam_search:
         refuse("use_beam_search", "Beam search")
-    if request.prompt_logprobs is not None:
-        refuse("prompt_logprobs", "prompt_logprobs")
     # vLLM's own fields the router would otherwise accept and drop: a client relying on one (a
     # truncated prompt, a priority) must hear that it is not there.
     if request.priority != 0:
@@ -647,6 +656,27 @@ def _check_template_kwargs(request: Any, ctx: ModelContext) -> None:
 def _raw_prompts(request: Any) -> list[Any]:
     prompt = request.prompt
     return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+
+
+def _shown_prompt_logprobs(route: Route, request: Any, ctx: ModelContext) -> int | None:
+    """The k of the reply's ``prompt_logprobs`` field, as on vLLM's server: a client's
+    prompt_logprobs (-1: the whole vocabulary), else a chat echo's top_logprobs; None in a stream,
+    which never carries the field (vLLM's protocol refuses k above 0 there; 0 is taken and
+    unused, and the router then does not ask the engine at all)."""
+    k = request.prompt_logprobs
+    if k is None and route == "chat" and request.echo:
+        k = request.top_logprobs or 0
+    if k is None or request.stream:
+        return None
+    asked = f"{k} (the whole vocabulary: {ctx.vocab_size} tokens)" if k == -1 else str(k)
+    if k == -1:
+        k = ctx.vocab_size
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(
+            f"prompt_logprobs of {asked} is more than this server's most logprobs per token ({MAX_LOGPROBS}), as vLLM's max_logprobs",
+            param="prompt_logprobs",
+        )
+    return k
 
 
 def _echoes(route: Route, request: Any, prompts: list[list[int]], ctx: ModelContext) -> list[str | None]:

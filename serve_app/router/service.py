@@ -36,6 +36,7 @@ from serve_app.router.output_parsers import cached_tokenizer, load_parser
 from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
 from serve_app.router.pool import EnginePool, PrefixRouting
 from serve_app.router.session import OFFLOAD_LOGPROB_ENTRIES, ResponseSession
+from serve_app.router.text import token_piece
 from serve_app.runtime.metrics import RouterMetrics
 from serve_app.wire.protocol import Role
 
@@ -221,7 +222,8 @@ class RouterService:
 
     def warm_up(self) -> None:
         """Load, at start, what the first request would otherwise wait for: vLLM's protocol
-        modules (seconds to import), the chat template and the response models."""
+        modules (seconds to import), the chat template, the response models and what a token's
+        text for logprobs needs."""
         from serve_app.router.framing import ResponseFramer
 
         for route, body in (("completions", {"prompt": "warm up"}), ("chat", {"messages": [{"role": "user", "content": "hi"}]})):
@@ -231,6 +233,7 @@ class RouterService:
             framer.final(text="", token_ids=[], logprobs=None, finish_reason="length", stop_reason=None, prompt_tokens=1)
         error_body("warm up", 400)
         self.models()
+        self._token_text(0)  # vLLM reads the tokenizer's space marker once (its whole JSON: ms for a large vocabulary)
 
     def start(self) -> None:
         """Follow the pools' membership, and poll the engines' stats in the background (the
@@ -449,10 +452,10 @@ class RouterService:
         return True
 
     def _token_text(self, token_id: int) -> str:
-        """A token's own text, for logprobs (cached: the vocabulary is finite)."""
+        """A token's own text, for logprobs (text.token_piece); cached: the vocabulary is finite."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._token_texts[token_id] = token_piece(self.tokenizer, token_id)
         return text
 
     async def _final(self, parsed: ParsedRequest, received_at: float | None = None) -> tuple[int, dict[str, Any]]:

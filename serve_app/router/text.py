@@ -23,6 +23,15 @@ PRIMING_MIN_TOKENS = 4
 PRIMING_MAX_TOKENS = 24
 
 
+def token_piece(tokenizer: Any, token_id: int) -> str:
+    """One token's text as vLLM's engine writes it in logprobs (its ``decoded_token``): the
+    installed vLLM's own conversion, which since 0.32 restores the leading space a SentencePiece
+    tokenizer's decode drops ("▁river" reads " river", not "river")."""
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    return convert_ids_list_to_tokens(tokenizer, [token_id])[0]
+
+
 class TextStream(Protocol):
     def push(self, token_id: int) -> str: ...
 

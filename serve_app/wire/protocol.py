@@ -24,11 +24,14 @@ MOVED = "moved"
 @dataclass(frozen=True)
 class TokenLogprob:
     """The sampled token's logprob and the top alternatives at its position, as
-    ``(token_id, logprob)`` pairs best first. Ids only: the router turns them into strings."""
+    ``(token_id, logprob)`` pairs best first. Ids only: the router turns them into strings.
+    ``rank``: the token's own rank in the vocabulary (1: the most likely), where the engine gave
+    it (a prompt token's: vLLM's ``prompt_logprobs`` field shows it)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass
@@ -73,7 +76,7 @@ class TokenDelta:
     # set on the first delta only.
     num_cached_tokens: int | None = None
     # Each prompt token's logprob (None for the first, which nothing predicts), where the request
-    # asked for them (``prompt_logprobs``: a completion's ``echo`` with ``logprobs``); first delta only.
+    # asked for them (``prompt_logprobs``: a client's, or an echo's); first delta only.
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 

@@ -182,6 +182,20 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_as_the_engine_computes_th
     # No output (max_tokens 0, what scoring clients send): the prompt's alone.
     alone = post(app, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}).json()["choices"][0]["logprobs"]
     assert alone["token_logprobs"] == pytest.approx(echoed["token_logprobs"][: len(prompt)], abs=1e-3)
+    # vLLM's prompt_logprobs field: each token's logprob (the echo's), rank and text, then the top
+    # 2, best first; the greedy output's tokens, in the prompt now, rank first.
+    response = post(app, "/v1/completions", {"prompt": prompt + output, "max_tokens": 1, "prompt_logprobs": 2})
+    field = response.json()["choices"][0]["prompt_logprobs"]
+    assert field[0] is None and len(field) == len(prompt) + len(output)
+    for position in range(1, len(field)):
+        entries = field[position]
+        own = entries[str((prompt + output)[position])]
+        assert next(iter(entries.values())) is own and own["logprob"] == pytest.approx(echoed["token_logprobs"][position], abs=1e-3)
+        assert own["decoded_token"] == echoed["tokens"][position] and own["rank"] >= 1
+        ranked = sorted(entries.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked] == ([1, 2] if own["rank"] <= 2 else [1, 2, own["rank"]])
+        assert all(a["logprob"] >= b["logprob"] - 1e-6 for a, b in zip(ranked, ranked[1:]))
+    assert all(next(iter(field[len(prompt) + i].values()))["rank"] == 1 for i in range(len(output)))
     wait_idle(app)
 
 

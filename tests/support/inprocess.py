@@ -31,6 +31,7 @@ from serve_app.engines.prefill import Prefill
 from serve_app.router.service import RouterService
 from serve_app.runtime.metrics import EngineMetrics, RouterMetrics
 from serve_app.runtime.ports import bindable, late_bound_ports
+from serve_app.wire.sampling import sampling_fields
 
 
 class NullMetric:
@@ -439,3 +440,27 @@ def no_callbacks(app: App) -> None:
 def handle_calls(app: App) -> list[str]:
     """The engine calls that went through the Serve handle stand-ins (stats polls aside)."""
     return [call for faults in app.faults.values() for call in faults.calls if call != "stats"]
+
+
+def engine_calls(app: App) -> list[dict[str, Any]]:
+    """Each engine request as it arrives: the engine, and its prompt logprobs setting."""
+    calls: list[dict[str, Any]] = []
+    for name, engine in app.engines.items():
+        real = engine.runner.generate
+
+        async def recording(request: Any, real: Any = real, name: str = name) -> Any:
+            fields = sampling_fields(request.sampling_params)
+            calls.append(
+                {
+                    "engine": name,
+                    "prompt_logprobs": fields.get("prompt_logprobs"),
+                    "skip_cache": fields.get("skip_reading_prefix_cache"),
+                    "prompt": list(request.prompt_token_ids),
+                    "kv": request.kv_transfer_params,
+                }
+            )
+            async for delta in real(request):
+                yield delta
+
+        engine.runner.generate = recording
+    return calls

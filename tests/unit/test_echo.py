@@ -14,34 +14,9 @@ from typing import Any
 
 import pytest
 
-from serve_app.wire.sampling import sampling_fields
-from tests.support.inprocess import PROMPT, App, args, body_of, completion, expected, run
+from tests.support.inprocess import PROMPT, App, args, body_of, completion, engine_calls, expected, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-
-def engine_calls(app: App) -> list[dict[str, Any]]:
-    """Each engine request as it arrives: the engine, and its prompt logprobs setting."""
-    calls: list[dict[str, Any]] = []
-    for name, engine in app.engines.items():
-        real = engine.runner.generate
-
-        async def recording(request: Any, real: Any = real, name: str = name) -> Any:
-            fields = sampling_fields(request.sampling_params)
-            calls.append(
-                {
-                    "engine": name,
-                    "prompt_logprobs": fields.get("prompt_logprobs"),
-                    "skip_cache": fields.get("skip_reading_prefix_cache"),
-                    "prompt": list(request.prompt_token_ids),
-                    "kv": request.kv_transfer_params,
-                }
-            )
-            async for delta in real(request):
-                yield delta
-
-        engine.runner.generate = recording
-    return calls
 
 
 def assembled(events: list) -> dict[str, Any]:
@@ -247,15 +222,19 @@ def test_streamed_offsets_follow_the_tokens_while_a_stop_string_holds_text_back(
 
 
 def test_only_an_attempt_that_reads_the_prompts_logprobs_skips_the_prefix_cache(tiny_tokenizer):
-    """vLLM skips the prefix cache for a request with prompt_logprobs, which its chat echo sets
-    too: the router's parameters skip it only where they are read."""
+    """vLLM skips the prefix cache for a request with prompt_logprobs, which its echo sets too:
+    the router's parameters skip it only where they are read (a chat echo's in the reply's
+    prompt_logprobs field, which a stream does not carry; a completion echo's with logprobs)."""
     from serve_app.router.parsing import ModelContext, parse_request
 
     ctx = ModelContext(name="m", aliases=frozenset(), max_model_len=256, vocab_size=1024, tokenizer=tiny_tokenizer)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
     for route, body, skips in (
-        ("chat", {"messages": messages, "echo": True}, False),
-        ("chat", {"messages": messages, "echo": True, "logprobs": True, "top_logprobs": 2}, False),
+        ("chat", {"messages": messages, "echo": True}, True),
+        ("chat", {"messages": messages, "echo": True, "logprobs": True, "top_logprobs": 2}, True),
+        ("chat", {"messages": messages, "echo": True, "stream": True}, False),
+        ("chat", {"messages": messages, "prompt_logprobs": 0, "stream": True}, False),
+        ("chat", {"messages": messages, "prompt_logprobs": 0}, True),
         ("completions", {"prompt": "x", "echo": True}, False),
         ("completions", {"prompt": "x", "echo": True, "logprobs": 0}, True),
         ("completions", {"prompt": "x", "logprobs": 0}, False),

@@ -83,7 +83,7 @@ def test_structured_output_reaches_the_engines_as_vllm_builds_it(ctx):
     "route,body,param",
     [
         ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # served with echo only (test_echo.py)
-        ("completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),  # served up to 20 (test_prompt_logprobs.py)
         ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("completions", {"prompt": ["a"] * 129}, "prompt"),  # more choices than router.max_choices' default
         ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),

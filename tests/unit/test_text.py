@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from serve_app.router.text import DecodeTextStream, StopMatcher
+from serve_app.router.text import DecodeTextStream, StopMatcher, token_piece
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> str:
@@ -140,3 +140,20 @@ def test_priming_ids_starts_on_a_character_boundary(tiny_tokenizer):
     assert backend.decode(suffix).endswith("日本") and "\ufffd" not in backend.decode(suffix)
     assert "\ufffd" in backend.decode(prompt[-len(suffix) + 1 :])  # one token shorter starts mid-character
     assert priming_ids(backend, prompt[:3]) == prompt[:3]  # shorter than the minimum: all of it
+
+
+def test_a_tokens_logprob_text_is_the_installed_vllms():
+    """A SentencePiece (Metaspace) vocabulary: HF's decode of "▁river" alone drops its space;
+    logprobs name tokens as the installed vLLM's engine does (vLLM 0.32 puts the space back)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from vllm.tokenizers import detokenizer_utils
+
+    vocab = {"<unk>": 0, "▁the": 1, "▁river": 2, "s": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert tokenizer.decode([2]) == "river"
+    want = " river" if hasattr(detokenizer_utils, "get_leading_space_marker") else "river"
+    assert [token_piece(tokenizer, i) for i in (2, 3)] == [want, "s"]
