@@ -96,6 +96,9 @@ class ModelContext:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_tokens_cap: int | None = None  # a bound on every request's max_tokens (the same module)
     max_choices: int = 128  # router.max_choices: the most choices (n times the prompts) per request
+    # A max_tokens past what the prompt leaves of the context is cut down (vLLM 0.32's server), or
+    # refused (0.23's): as the installed vLLM's server does.
+    clamps_max_tokens: bool = field(default_factory=lambda: _installed_vllm_clamps())
     # vLLM's parsers of the replies (router/output_parsers.py): the tool-call parser "auto" needs,
     # and the reasoning parser of a reasoning model (the decode engines' reasoning_parser).
     tool_parser: Any = None
@@ -326,10 +329,11 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     prompt_param = "messages" if route == "chat" else "prompt"
     samples = []  # each prompt's (token ids, sampling parameters)
     for prompt_token_ids in prompts:
-        _check_lengths(prompt_token_ids, 1 if echo_only else max_tokens, max_tokens_param, prompt_param, ctx)
-        params, stops = _sampling_params(
-            request, prompt_token_ids, 1 if echo_only else max_tokens, logprobs, prompt_logprobs, tool_choice, hide_tokens, ctx
-        )
+        budget = 1 if echo_only else max_tokens
+        if ctx.clamps_max_tokens and budget is not None:
+            budget = _clamped(prompt_token_ids, budget, max_tokens_param, ctx)
+        _check_lengths(prompt_token_ids, budget, max_tokens_param, prompt_param, ctx)
+        params, stops = _sampling_params(request, prompt_token_ids, budget, logprobs, prompt_logprobs, tool_choice, hide_tokens, ctx)
         samples.append((prompt_token_ids, params))
     first_params = samples[0][1]
     prefix = "chatcmpl" if route == "chat" else "cmpl"
@@ -488,6 +492,12 @@ def _validate(route: Route, body: dict[str, Any]) -> Any:
         # vLLM's "before" validators read the raw body assuming the right shapes (a list where
         # they expect a dict fails on .get): a body of the wrong shape, so the client's 400.
         raise bad_request(f"Invalid request: {type(exc).__name__}: {exc}") from None
+
+
+def _installed_vllm_clamps() -> bool:
+    from serve_app.runtime.compat import CLAMPS_MAX_TOKENS
+
+    return CLAMPS_MAX_TOKENS
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:
@@ -694,20 +704,25 @@ def _echoes(route: Route, request: Any, prompts: list[list[int]], ctx: ModelCont
 
 
 def _truncated(ids: list[int], *, keep: int, side: str | None, max_tokens: int | None, param: str, ctx: ModelContext) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``, as vLLM 0.23 reads it (the router refuses a prompt with
-    no room for max_tokens where vLLM 0.32 cuts max_tokens down): at most ``keep`` of the
-    prompt's tokens, up to what leaves room for max_tokens (-1: that many), the first ones or,
-    with ``truncation_side: left`` (or a tokenizer that truncates on the left), the last ones."""
-    room = ctx.max_model_len - max(1, max_tokens or 0)
-    if keep > room:
+    """vLLM's ``truncate_prompt_tokens``: at most ``keep`` of the prompt's tokens (-1: as many as
+    fit), the first ones or, with ``truncation_side: left`` (or a tokenizer that truncates on the
+    left), the last ones. What fits is what the installed vLLM's server allows: where it cuts
+    max_tokens down (0.32), the context less one token for output, a larger ``keep`` than the
+    context refused; where it refuses a prompt with no room for max_tokens (0.23), the context
+    less max_tokens, a larger ``keep`` refused."""
+    if ctx.clamps_max_tokens:
+        bound, room, of = ctx.max_model_len, ctx.max_model_len - 1, "max_model_len"
+    else:
+        bound = room = ctx.max_model_len - max(1, max_tokens or 0)
+        of = f"max_model_len - {param}"
+    if keep > bound:
         raise bad_request(
-            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - {param} = {room}. "
-            "Please request a smaller truncation size.",
+            f"truncate_prompt_tokens={keep} cannot be greater than {of} = {bound}. Please request a smaller truncation size.",
             param="truncate_prompt_tokens",
         )
     if keep == 0:
         raise bad_request("truncate_prompt_tokens=0 leaves no prompt", param="truncate_prompt_tokens")
-    if keep < 0:
+    if keep < 0 or keep > room:
         keep = room
     if keep >= len(ids):
         return ids
@@ -879,6 +894,17 @@ def _text_content(content: Any, i: int) -> str:
             texts.append(str(part.get("text", "")))
         return "\n".join(texts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", param=f"messages.{i}.content")
+
+
+def _clamped(prompt_token_ids: list[int], max_tokens: int, param: str, ctx: ModelContext) -> int:
+    """vLLM 0.32's server: a max_tokens over the context is refused; one over what the prompt
+    leaves of it is cut down to that (a prompt that leaves nothing is refused after)."""
+    if max_tokens > ctx.max_model_len:
+        raise bad_request(
+            f"{param}={max_tokens} cannot be greater than max_model_len={ctx.max_model_len}. Please request fewer output tokens.",
+            param=param,
+        )
+    return min(max_tokens, max(ctx.max_model_len - len(prompt_token_ids), 1))
 
 
 def _check_lengths(prompt_token_ids: list[int], max_tokens: int | None, param: str, prompt_param: str, ctx: ModelContext) -> None:

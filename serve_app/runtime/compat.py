@@ -32,11 +32,23 @@ try:  # vLLM 0.32: VLLMValidationError derives from VLLMClientError, not from Va
 except ImportError:  # vLLM 0.23: VLLMValidationError is a ValueError
     from vllm.exceptions import VLLMValidationError as VLLMClientError  # type: ignore[assignment]
 
+def _clamps_max_tokens() -> bool:
+    """Whether vLLM's server cuts a request's max_tokens down to what its prompt leaves of the
+    context (vLLM 0.32: its renderer's input bound is the whole context), rather than refusing
+    the request (vLLM 0.23: the bound is the context less max_tokens)."""
+    from vllm.renderers.params import TokenizeParams
+
+    return TokenizeParams(max_total_tokens=2, max_output_tokens=2).max_input_tokens == 2
+
+
+CLAMPS_MAX_TOKENS = _clamps_max_tokens()
+
 # What vLLM raises for a request that is the client's fault: its validators' own error class, and
 # plain ValueErrors / TypeErrors (which vLLM's OpenAI server also answers with 400).
 CLIENT_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, VLLMClientError)
 
 __all__: list[Any] = [
+    "CLAMPS_MAX_TOKENS",
     "CLIENT_ERRORS",
     "DeltaMessage",
     "ErrorInfo",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -102,8 +103,10 @@ def test_unsupported_or_bad_fields_are_named(ctx, route, body, param):
 def test_lengths_against_the_model(ctx):
     long_prompt = list(range(10, 138))  # 128 tokens: no room left
     assert refused(ctx, "completions", {"prompt": long_prompt}).param == "prompt"
-    assert refused(ctx, "completions", {"prompt": [1, 2], "max_tokens": 127}).param == "max_tokens"
     assert parse_request("completions", {"prompt": [1, 2], "max_tokens": 126}, ctx).max_tokens == 126
+    # One more: refused as vLLM 0.23's server does, cut down as 0.32's does (the next test).
+    assert refused(replace(ctx, clamps_max_tokens=False), "completions", {"prompt": [1, 2], "max_tokens": 127}).param == "max_tokens"
+    assert parse_request("completions", {"prompt": [1, 2], "max_tokens": 127}, replace(ctx, clamps_max_tokens=True)).max_tokens == 126
 
 
 def test_model_names(ctx):
@@ -228,28 +231,38 @@ def test_chat_template_inputs_are_passed_on_or_refused_never_dropped(tiny_tokeni
     assert refused.value.status == 400 and "tool_call_id" in refused.value.message
 
 
-def test_truncate_prompt_tokens_cuts_as_vllms_renderer_does(ctx, tiny_tokenizer):
-    """vLLM's truncate_prompt_tokens, against vLLM's own TokenizeParams: the first tokens (the
-    tokenizer's side) or, with truncation_side left, the last; at most, and with -1 exactly, what
-    leaves room for max_tokens (vLLM 0.23's meaning: the router refuses where vLLM 0.32 keeps
-    max_model_len - 1 tokens and cuts max_tokens down)."""
+@pytest.mark.parametrize("clamps", [False, True])
+def test_truncate_prompt_tokens_cuts_as_vllms_renderer_does(ctx, tiny_tokenizer, clamps):
+    """vLLM's truncate_prompt_tokens: the first tokens (the tokenizer's side) or, with
+    truncation_side left, the last; at most, and with -1 exactly, what fits: vLLM 0.23's server
+    keeps room for max_tokens (a larger truncation refused), vLLM 0.32's, which cuts max_tokens
+    down, keeps a token of room (a truncation past the context refused). Against the installed
+    vLLM's own TokenizeParams where it reads it the same way."""
     from vllm.renderers.params import TokenizeParams
 
+    from serve_app.runtime.compat import CLAMPS_MAX_TOKENS
+
+    ctx = replace(ctx, clamps_max_tokens=clamps)
     prompt = list(range(10, 210))  # 200 tokens, over the context of 128
     for side in (None, "left", "right"):
         for max_tokens in (1, 4):
-            for keep in (1, 5, 124, 127):
+            bound, room = (128, 127) if clamps else (128 - max_tokens, 128 - max_tokens)
+            for keep in (1, 5, 124, 127, 128):
                 body = {"prompt": prompt, "truncate_prompt_tokens": keep, "truncation_side": side, "max_tokens": max_tokens}
-                if keep > 128 - max_tokens:
+                if keep > bound:
                     assert refused(ctx, "completions", body).param == "truncate_prompt_tokens"
                     continue
-                theirs = TokenizeParams(
-                    max_total_tokens=128, max_output_tokens=max_tokens, truncate_prompt_tokens=keep, truncation_side=side
-                )._token_truncation(tiny_tokenizer, prompt)
-                assert parse_request("completions", {**body}, ctx).prompt_token_ids == theirs, body
+                ours = parse_request("completions", {**body}, ctx).prompt_token_ids
+                kept = min(keep, room)
+                assert ours == (prompt[-kept:] if side == "left" else prompt[:kept]), body
+                if clamps == CLAMPS_MAX_TOKENS and keep <= room:
+                    theirs = TokenizeParams(
+                        max_total_tokens=128, max_output_tokens=max_tokens, truncate_prompt_tokens=keep, truncation_side=side
+                    )._token_truncation(tiny_tokenizer, prompt)
+                    assert ours == theirs, body
             body = {"prompt": prompt, "truncate_prompt_tokens": -1, "truncation_side": side, "max_tokens": max_tokens}
             cut = parse_request("completions", body, ctx)
-            assert cut.prompt_token_ids == (prompt[-(128 - max_tokens) :] if side == "left" else prompt[: 128 - max_tokens])
+            assert cut.prompt_token_ids == (prompt[-room:] if side == "left" else prompt[:room])
     # A text prompt too long for the context is tokenized whole before it is cut; an echo is
     # the prompt as sent, as vLLM's server echoes it.
     long_text = "the river " * 2000
@@ -259,3 +272,45 @@ def test_truncate_prompt_tokens_cuts_as_vllms_renderer_does(ctx, tiny_tokenizer)
     messages = [{"role": "user", "content": long_text}]
     assert len(parse_request("chat", {"messages": messages, "truncate_prompt_tokens": -1}, ctx).prompt_token_ids) == 127
     assert refused(ctx, "chat", {"messages": messages}).param == "messages"
+
+
+@pytest.mark.parametrize("clamps", [False, True])
+def test_a_max_tokens_past_the_prompts_room_is_cut_down_or_refused_as_the_installed_vllms_server_does(ctx, clamps):
+    """vLLM 0.32's server cuts max_tokens down to what the prompt leaves of the context; vLLM
+    0.23's refuses the request. Both refuse a max_tokens over the whole context, and a prompt that
+    leaves no room. The router does as the installed vLLM does (checked against its own renderer
+    bound and get_max_tokens), each prompt of a list for itself."""
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+    from vllm.renderers.params import TokenizeParams
+
+    from serve_app.runtime.compat import CLAMPS_MAX_TOKENS
+
+    ctx = replace(ctx, clamps_max_tokens=clamps)
+    prompt = list(range(10, 110))  # 100 tokens of the context's 128
+    for prompt_ids, max_tokens in ((prompt, 28), (prompt, 29), (prompt, 128), (prompt, 129), (list(range(10, 138)), 1), (prompt[:50], 60)):
+        body = {"prompt": prompt_ids, "max_tokens": max_tokens}
+        fits = len(prompt_ids) + max_tokens <= 128
+        if max_tokens > 128 or len(prompt_ids) >= 128 or not (fits or clamps):
+            err = refused(ctx, "completions", body)
+            assert err.param == ("prompt" if len(prompt_ids) >= 128 else "max_tokens"), body
+            ours = None
+        else:
+            ours = parse_request("completions", body, ctx).sampling_params.max_tokens
+            assert ours == min(max_tokens, 128 - len(prompt_ids)), body
+        if clamps == CLAMPS_MAX_TOKENS:  # the installed vLLM's server: its renderer's bound, then get_max_tokens
+            try:
+                TokenizeParams(max_total_tokens=128, max_output_tokens=max_tokens)._token_len_check(None, prompt_ids)
+                theirs = get_max_tokens(128, max_tokens, len(prompt_ids), {})
+            except Exception:
+                theirs = None
+            assert ours == (theirs if theirs else None), body
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 510}
+    if clamps:
+        assert parse_request("chat", chat, replace(ctx, max_model_len=512)).sampling_params.max_tokens < 510
+    else:
+        assert refused(replace(ctx, max_model_len=512), "chat", chat).param == "max_completion_tokens"
+    listed = {"prompt": [prompt, prompt[:50]], "max_tokens": 60}
+    if clamps:
+        assert [c.sampling_params.max_tokens for c in parse_request("completions", listed, ctx).choices] == [28, 60]
+    else:
+        assert refused(ctx, "completions", listed).param == "max_tokens"
