@@ -23,6 +23,9 @@ from serve_app.wire.protocol import TokenLogprob
 logger = logging.getLogger("pd_serve.router")
 
 TokenText = Callable[[int], str]
+# A token's text read with the tokens before it at its place (text.piece_in_context); None: unknown.
+InContext = Callable[[int, list[int]], "str | None"]
+PIECE_CONTEXT = 4  # the tokens before a position that can hold the rest of its character (UTF-8: 4 bytes)
 
 
 def sse(event: dict[str, Any] | str) -> str:
@@ -35,9 +38,11 @@ SSE_DONE = sse("[DONE]")
 
 
 class ResponseFramer:
-    def __init__(self, request: ParsedRequest, token_text: TokenText) -> None:
+    def __init__(self, request: ParsedRequest, token_text: TokenText, in_context: InContext | None = None) -> None:
         self.request = request
         self.token_text = token_text
+        self.in_context = in_context
+        self._output_context: list[int] = []  # the output's last tokens whose logprobs were framed (``_piece``)
         self._role_sent = False
         self._text_offset = 0
         self._prompt_ids_sent = False
@@ -276,6 +281,7 @@ class ResponseFramer:
         prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> dict[str, Any]:
         use = usage(prompt_tokens, len(token_ids), self.reasoning_tokens(token_ids))
+        self._output_context = []
         ids = list(token_ids) if self.request.return_token_ids else None
         prompt_ids = list(self.request.prompt_token_ids) if self.request.return_token_ids else None
         if self.request.route == "chat":
@@ -411,18 +417,19 @@ class ResponseFramer:
             logger.warning("request %s: the engine gave no logprobs of the prompt", self.request.response_id)
             prompt_logprobs = [None] * len(ids)
         field: list[dict[str, Any] | None] = []
-        for lp in prompt_logprobs:
+        for position, lp in enumerate(prompt_logprobs):
             if lp is None:
                 field.append(None)
                 continue
-            entries = {str(lp.token_id): self._ranked(lp.token_id, lp.logprob, lp.rank)}
+            context = _prompt_context(ids, position)
+            entries = {str(lp.token_id): self._ranked(lp.token_id, lp.logprob, lp.rank, context)}
             for rank, (tid, value) in enumerate(lp.top[:k], start=1):
-                entries.setdefault(str(tid), self._ranked(tid, value, rank))
+                entries.setdefault(str(tid), self._ranked(tid, value, rank, context))
             field.append(entries)
         return field
 
-    def _ranked(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
-        return {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": self.token_text(token_id)}
+    def _ranked(self, token_id: int, logprob: float, rank: int | None, context: list[int]) -> dict[str, Any]:
+        return {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": self._piece(token_id, context)}
 
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, prompt: list[tuple[int, TokenLogprob | None]] | None = None) -> Any:
         """The legacy API's logprobs of these tokens, after an echoed prompt's (``prompt``: its
@@ -433,8 +440,11 @@ class ResponseFramer:
 
         out = CompletionLogProbs()
         offset = self._text_offset
-        for token_id, lp in [*(prompt or ()), *((lp.token_id, lp) for lp in logprobs)]:
-            token = self._label(token_id)
+        ids = self.request.prompt_token_ids
+        echoed = [(token_id, lp, _prompt_context(ids, position)) for position, (token_id, lp) in enumerate(prompt or ())]
+        for token_id, lp, context in [*echoed, *((lp.token_id, lp, self._next_output_context(lp.token_id)) for lp in logprobs)]:
+            # A token with no logprobs (an echoed prompt's first, which nothing predicts): its text alone, as vLLM's server.
+            token = self._label(token_id, context) if lp is not None or self.request.tokens_as_ids else self.token_text(token_id)
             out.tokens.append(token)
             out.text_offset.append(offset)
             offset += len(token)
@@ -443,9 +453,11 @@ class ResponseFramer:
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(json_logprob(lp.logprob))
-            # The legacy API's top_logprobs always holds the sampled token, beside the top k.
+            # The legacy API's top_logprobs: the token, then the best others, k + 1 in all where
+            # the engine gave more (an echo's prompt asked with a larger prompt_logprobs), as vLLM's.
+            ranked = [(lp.token_id, lp.logprob), *((tid, value) for tid, value in lp.top if tid != lp.token_id)]
             top = {token: json_logprob(lp.logprob)}
-            top.update((self._label(tid), json_logprob(value)) for tid, value in lp.top[: self.request.logprobs] if tid != lp.token_id)
+            top.update((self._label(tid, context), json_logprob(value)) for tid, value in ranked[1 : self.request.logprobs + 1])
             out.top_logprobs.append(top)
         # The next chunk's offsets go on from these tokens' text, as vLLM's server counts them
         # (not from the text sent, which lags the tokens while a stop string may be forming).
@@ -463,23 +475,48 @@ class ResponseFramer:
 
         content = []
         for lp in logprobs:
+            context = self._next_output_context(lp.token_id)
             # The sampled token's bytes are its text's, as vLLM's server sends them, whatever its label.
-            text = self.token_text(lp.token_id)
+            text = self._piece(lp.token_id, context)
             top = [
-                ChatCompletionLogProb(token=(label := self._label(tid)), logprob=json_logprob(value), bytes=list(label.encode()))
+                ChatCompletionLogProb(token=(label := self._label(tid, context)), logprob=json_logprob(value), bytes=list(label.encode()))
                 for tid, value in lp.top[: self.request.logprobs]
             ]
             content.append(
                 ChatCompletionLogProbsContent(
-                    token=self._label(lp.token_id), logprob=json_logprob(lp.logprob), bytes=list(text.encode()), top_logprobs=top
+                    token=self._label(lp.token_id, context), logprob=json_logprob(lp.logprob), bytes=list(text.encode()), top_logprobs=top
                 )
             )
         return ChatCompletionLogProbs(content=content)
 
-    def _label(self, token_id: int) -> str:
+    def _label(self, token_id: int, context: list[int]) -> str:
         """A token as logprobs name it: its text, or ``token_id:<id>`` where the request asks
         for ids (``return_tokens_as_token_ids``, as vLLM's server writes them)."""
-        return f"token_id:{token_id}" if self.request.tokens_as_ids else self.token_text(token_id)
+        return f"token_id:{token_id}" if self.request.tokens_as_ids else self._piece(token_id, context)
+
+    def _piece(self, token_id: int, context: list[int]) -> str:
+        """A token's text in logprobs, as vLLM's engine writes it: one that is only a piece of a
+        multi-byte character ("\ufffd" alone, as byte-level vocabularies split CJK text and emoji)
+        is read with the tokens before its place (``context``): the character where it completes
+        one, "" where it does not."""
+        text = self.token_text(token_id)
+        if text.endswith("\ufffd") and self.in_context is not None:
+            read = self.in_context(token_id, context)
+            if read is not None:
+                return read
+        return text
+
+    def _next_output_context(self, token_id: int) -> list[int]:
+        """The output tokens before this one (its logprobs' context), and it after them."""
+        context = self._output_context[-PIECE_CONTEXT:]
+        self._output_context = [*context, token_id]
+        return context
+
+
+def _prompt_context(ids: list[int], position: int) -> list[int]:
+    """The prompt tokens before a position that vLLM's engine reads its logprobs' text with: not
+    the first (which has no logprobs entry there)."""
+    return ids[max(1, position - PIECE_CONTEXT) : position]
 
 
 def _takes(method: Any, parameter: str) -> bool:

@@ -303,22 +303,15 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     if request.truncate_prompt_tokens is not None:
         cut = functools.partial(_truncated, keep=request.truncate_prompt_tokens, side=request.truncation_side, max_tokens=max_tokens)
         prompts = [cut(ids, param=max_tokens_param, ctx=ctx) for ids in prompts]
-    # The prompt's logprobs: a client's prompt_logprobs (vLLM's field), else an echo's (a
-    # completion's with logprobs, a chat request's with its top_logprobs: vLLM's server asks for
-    # them on every echo). Only a reply that is not streamed shows them (vLLM's server refuses
-    # prompt_logprobs above 0 with stream, and sends none of them in a stream).
-    shown = _shown_prompt_logprobs(route, request, ctx)
-    echo_logprobs = logprobs if route == "completions" and request.echo else None
-    asked = [k for k in (shown, echo_logprobs) if k is not None]
-    prompt_logprobs = max(asked) if asked else None
+    prompt_logprobs, shown, param = _prompt_logprobs_of(route, request, logprobs, ctx)
 
     def logprob_entries(ids: list[int]) -> int:  # a choice's prompt logprobs, framed (ParsedRequest)
-        return sum(len(ids) * (k + 1) for k in asked)
+        echoed = len(ids) * (logprobs + 1) if route == "completions" and request.echo and logprobs is not None else 0
+        return echoed + (0 if shown is None else len(ids) * (shown + 1))
 
     if prompt_logprobs is not None:
         entries = sum(map(logprob_entries, prompts)) * n
         if entries > MAX_PROMPT_LOGPROB_ENTRIES:
-            param = "prompt_logprobs" if shown is not None else "logprobs"
             raise bad_request(
                 f"{param} asks for {entries} logprobs of the prompts (their tokens times n times each top k + 1); "
                 f"this server sends at most {MAX_PROMPT_LOGPROB_ENTRIES} per request",
@@ -668,16 +661,18 @@ def _raw_prompts(request: Any) -> list[Any]:
     return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
 
 
-def _shown_prompt_logprobs(route: Route, request: Any, ctx: ModelContext) -> int | None:
-    """The k of the reply's ``prompt_logprobs`` field, as on vLLM's server: a client's
-    prompt_logprobs (-1: the whole vocabulary), else a chat echo's top_logprobs; None in a stream,
-    which never carries the field (vLLM's protocol refuses k above 0 there; 0 is taken and
-    unused, and the router then does not ask the engine at all)."""
-    k = request.prompt_logprobs
-    if k is None and route == "chat" and request.echo:
-        k = request.top_logprobs or 0
-    if k is None or request.stream:
-        return None
+def _prompt_logprobs_of(route: Route, request: Any, logprobs: int | None, ctx: ModelContext) -> tuple[int | None, int | None, str]:
+    """(the k the engine is asked for, the k of the reply's ``prompt_logprobs`` field, the field
+    that set it), as on vLLM's server: a client's prompt_logprobs (-1: the whole vocabulary),
+    else an echo's (a completion's logprobs, a chat request's top_logprobs). A reply that is not
+    streamed shows the field wherever the engine is asked; a stream never carries it (vLLM's
+    protocol refuses k above 0 there), so there the engine is asked only for a completion echo's
+    logprobs, which it reads from the same k."""
+    k, param = request.prompt_logprobs, "prompt_logprobs"
+    if k is None and request.echo:
+        k, param = (logprobs, "logprobs") if route == "completions" else (request.top_logprobs, "echo")
+    if k is None:
+        return None, None, param
     asked = f"{k} (the whole vocabulary: {ctx.vocab_size} tokens)" if k == -1 else str(k)
     if k == -1:
         k = ctx.vocab_size
@@ -686,7 +681,10 @@ def _shown_prompt_logprobs(route: Route, request: Any, ctx: ModelContext) -> int
             f"prompt_logprobs of {asked} is more than this server's most logprobs per token ({MAX_LOGPROBS}), as vLLM's max_logprobs",
             param="prompt_logprobs",
         )
-    return k
+    if not request.stream:
+        return k, k, param
+    echo_reads = route == "completions" and request.echo and logprobs is not None
+    return (k if echo_reads else None), None, param
 
 
 def _echoes(route: Route, request: Any, prompts: list[list[int]], ctx: ModelContext) -> list[str | None]:

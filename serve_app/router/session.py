@@ -29,7 +29,7 @@ from serve_app.router.errors import error_body
 from serve_app.router.framing import ResponseFramer, usage
 from serve_app.router.parsing import ParsedRequest
 from serve_app.router.recompute import Action, Emission, RecomputeStateMachine, Step
-from serve_app.router.text import DecodeTextStream, StopMatcher
+from serve_app.router.text import DecodeTextStream, StopMatcher, piece_in_context
 from serve_app.runtime.logs import attempt_log_level
 from serve_app.runtime.metrics import RouterMetrics
 
@@ -69,7 +69,7 @@ class ResponseSession:
             min_tokens=request.min_tokens,
             logprobs=request.logprobs is not None,
         )
-        self.framer = ResponseFramer(request, token_text)
+        self.framer = ResponseFramer(request, token_text, functools.partial(piece_in_context, tokenizer))
         self.status = 200
         self._started = received_at if received_at is not None else time.monotonic()
         # Where the request's time went (``observe_times``): waiting on engines, and waiting on

@@ -9,8 +9,12 @@ can begin in one attempt and end in the next, and no engine sees both halves.
 
 from __future__ import annotations
 
+import functools
 import logging
+from types import SimpleNamespace
 from typing import Any, Protocol
+
+from serve_app.runtime.private_symbols import unchanged
 
 logger = logging.getLogger("pd_serve.router")
 
@@ -30,6 +34,27 @@ def token_piece(tokenizer: Any, token_id: int) -> str:
     from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
 
     return convert_ids_list_to_tokens(tokenizer, [token_id])[0]
+
+
+CORRECT_DECODED_TOKEN = "vllm.v1.engine.logprobs.LogprobsProcessor._correct_decoded_token"
+
+
+@functools.cache
+def _vllms_correction() -> Any:
+    if not unchanged([CORRECT_DECODED_TOKEN], logger, "multi-byte characters read across their tokens in logprobs"):
+        return None
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    return LogprobsProcessor._correct_decoded_token
+
+
+def piece_in_context(tokenizer: Any, token_id: int, context: list[int]) -> str | None:
+    """A token whose own text is a piece of a multi-byte character, read with the tokens before
+    it at its place, by vLLM's engine's own correction of its logprobs' text (the character where
+    this token completes it, "" where it does not); None where that code is not as pd-serve
+    expects."""
+    correct = _vllms_correction()
+    return None if correct is None else correct(SimpleNamespace(tokenizer=tokenizer), token_id, list(context))
 
 
 class TextStream(Protocol):

@@ -127,6 +127,18 @@ def _transport(module: str, cls: str) -> Symbol:
 
 
 _ENTRIES: tuple[Symbol, ...] = (
+    # router/text.py: a multi-byte character's pieces in logprobs, read as vLLM's engine reads
+    # them (it needs only the tokenizer of its owner)
+    Symbol(
+        "vllm.v1.engine.logprobs",
+        "LogprobsProcessor._correct_decoded_token",
+        "vllm",
+        READ,
+        "serve_app/router/text.py",
+        BOTH,
+        params=("(self, token_id, context_token_ids)",),
+        source_has=(("LogprobsProcessor._verify_tokens", "self._correct_decoded_token("),),
+    ),
     # vllm_plugins/spin.py
     Symbol(
         _SHM,

@@ -30,6 +30,7 @@ from tests.support.cluster import (
     wait_idle,
 )
 from tests.support.faults import BREAK_PUSH, CORRUPT_KV, FAULTS, PREFILL_RAISE, PUSH_DELAY, SKIP_METASERVER, faulty_prompt
+from tests.support.inprocess import vllm_logprob_texts
 
 pytestmark = pytest.mark.engine
 
@@ -154,7 +155,7 @@ def test_n_seeded_samples_and_several_prompts_through_disaggregated_engines(app,
     wait_idle(app)
 
 
-def test_echo_with_logprobs_gives_the_prompts_logprobs_as_the_engine_computes_them(app):
+def test_echo_with_logprobs_gives_the_prompts_logprobs_as_the_engine_computes_them(app, tiny_tokenizer):
     """What evaluation harnesses read a text's likelihood from (lm-eval's loglikelihood: several
     prompts, echo, logprobs, one token): each prompt token's logprob, served colocated. A
     prompt's own tokens past a point are a greedy output the engine produced: their echoed
@@ -196,6 +197,9 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_as_the_engine_computes_th
         assert [e["rank"] for e in ranked] == ([1, 2] if own["rank"] <= 2 else [1, 2, own["rank"]])
         assert all(a["logprob"] >= b["logprob"] - 1e-6 for a, b in zip(ranked, ranked[1:]))
     assert all(next(iter(field[len(prompt) + i].values()))["rank"] == 1 for i in range(len(output)))
+    # Each token's text as vLLM's own engine writes it (a multi-byte character's pieces read together).
+    texts = [next(iter(entries.values()))["decoded_token"] for entries in field[1:]]
+    assert texts == vllm_logprob_texts(tiny_tokenizer, (prompt + output)[1:])
     wait_idle(app)
 
 

@@ -464,3 +464,19 @@ def engine_calls(app: App) -> list[dict[str, Any]]:
 
         engine.runner.generate = recording
     return calls
+
+
+def vllm_logprob_texts(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """The text vLLM's own engine (its LogprobsProcessor) gives each of these tokens' logprobs,
+    sampled one a step: a piece of a multi-byte character is read with the tokens before it. A
+    prompt's, from its second token on, are these of ``prompt[1:]`` (the first has no entry)."""
+    import numpy as np
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsLists
+
+    processor = LogprobsProcessor(
+        tokenizer=tokenizer, logprobs=[], prompt_logprobs=None, cumulative_logprob=0.0, num_logprobs=0, num_prompt_logprobs=None
+    )
+    for token_id in token_ids:
+        processor._update_sample_logprobs(LogprobsLists(np.array([[token_id]]), np.array([[-1.0]]), np.array([1])))
+    return [position[token_id].decoded_token for position, token_id in zip(processor.logprobs, token_ids)]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.inprocess import PROMPT, App, args, body_of, completion, engine_calls, expected, run
+from tests.support.inprocess import PROMPT, App, args, body_of, completion, engine_calls, expected, run, vllm_logprob_texts
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -47,7 +47,10 @@ def test_a_completions_echo_puts_the_prompt_and_its_logprobs_before_the_output(t
         _, plain = await completion(app, text, max_tokens=4)  # the output alone
         plain_calls = calls[len(echoed) :]
         assert choice["text"] == text + plain["choices"][0]["text"]
-        pieces = [tiny_tokenizer.decode([t]) for t in [*prompt_ids, *expected(prompt_ids, 4)]]
+        # Each token's text as vLLM's engine gives it (a multi-byte character's pieces read together).
+        output = expected(prompt_ids, 4)
+        pieces = [tiny_tokenizer.decode(prompt_ids[:1])] + vllm_logprob_texts(tiny_tokenizer, prompt_ids[1:])
+        pieces += vllm_logprob_texts(tiny_tokenizer, output)
         assert choice["tokens"] == pieces
         # The first prompt token has none (nothing predicts it); then the prompt's, then the output's.
         assert choice["token_logprobs"] == [None] + [-0.25] * (len(prompt_ids) - 1) + [-0.5] * 4
@@ -145,7 +148,7 @@ def test_an_echo_with_no_output_is_the_prompt_alone(tiny_tokenizer, stream):
             choice, usage = {"text": data["choices"][0]["text"], **data["choices"][0]["logprobs"]}, data["usage"]
             finish = data["choices"][0]["finish_reason"]
         assert choice["text"] == text and finish == "length"
-        assert choice["tokens"] == [tiny_tokenizer.decode([t]) for t in prompt_ids]
+        assert choice["tokens"] == [tiny_tokenizer.decode(prompt_ids[:1])] + vllm_logprob_texts(tiny_tokenizer, prompt_ids[1:])
         assert choice["token_logprobs"] == [None] + [-0.25] * (len(prompt_ids) - 1)
         assert usage["completion_tokens"] == 1
 
@@ -169,13 +172,14 @@ def test_a_prompts_samples_share_its_logprobs_and_the_others_read_the_cache(tiny
 def test_echo_logprobs_are_bounded_per_request(tiny_tokenizer, monkeypatch):
     import serve_app.router.parsing as parsing
 
-    monkeypatch.setattr(parsing, "MAX_PROMPT_LOGPROB_ENTRIES", 8 * 2 * 3)
+    monkeypatch.setattr(parsing, "MAX_PROMPT_LOGPROB_ENTRIES", 8 * 2 * 3 * 2)
 
     async def body(app: App) -> None:
+        # 8 tokens x 2 samples x 3, in the echo's logprobs and in the prompt_logprobs field: the bound
         status, data = await completion(app, PROMPT, max_tokens=3, n=2, temperature=1.0, echo=True, logprobs=2)
-        assert status == 200, data  # 8 tokens x 2 samples x 3: the bound
+        assert status == 200, data
         status, data = await completion(app, PROMPT, max_tokens=3, n=2, temperature=1.0, echo=True, logprobs=3)
-        assert status == 400 and data["error"]["param"] == "logprobs" and "64 logprobs of the prompts" in data["error"]["message"]
+        assert status == 400 and data["error"]["param"] == "logprobs" and "128 logprobs of the prompts" in data["error"]["message"]
         status, data = await completion(app, PROMPT, max_tokens=3, n=2, temperature=1.0, logprobs=3)
         assert status == 200  # without echo, no prompt logprobs
 
@@ -207,7 +211,7 @@ def test_streamed_offsets_follow_the_tokens_while_a_stop_string_holds_text_back(
 
     async def body(app: App) -> None:
         output = expected(PROMPT, 12)
-        pieces = [tiny_tokenizer.decode([t]) for t in output]
+        pieces = vllm_logprob_texts(tiny_tokenizer, output)
         stop = pieces[4] + pieces[5] + "\x01never"  # the text of tokens 4 and 5 is held back, then sent
         request = {"prompt": PROMPT, "max_tokens": 12, "logprobs": 0, "stream": True, "stop": [stop]}
         status, events = await body_of(await app.service.http("completions", json.dumps(request).encode()))
@@ -253,8 +257,11 @@ def test_a_large_echo_is_framed_off_the_event_loop(tiny_tokenizer, monkeypatch, 
     import serve_app.router.service as service
     import serve_app.router.session as session
 
-    monkeypatch.setattr(session, "OFFLOAD_LOGPROB_ENTRIES", len(PROMPT) * 2 - 1)
-    monkeypatch.setattr(service, "OFFLOAD_LOGPROB_ENTRIES", len(PROMPT) * 2 - 1)
+    # Logprobs 1 is over it, 0 under: a reply that is not streamed has them twice (the echo's and
+    # the prompt_logprobs field, as vLLM's server), a stream once.
+    bound = len(PROMPT) * (2 if stream else 4) - 1
+    monkeypatch.setattr(session, "OFFLOAD_LOGPROB_ENTRIES", bound)
+    monkeypatch.setattr(service, "OFFLOAD_LOGPROB_ENTRIES", bound)
     offloaded: list[str] = []
     real = asyncio.to_thread
 
@@ -292,9 +299,11 @@ def test_return_tokens_as_token_ids_names_every_token_by_its_id(tiny_tokenizer):
         status, data = await body_of(await app.service.http("chat", json.dumps({**request, "return_tokens_as_token_ids": True}).encode()))
         _, plain = await body_of(await app.service.http("chat", json.dumps(request).encode()))
         assert status == 200, data
+        output = [int(named["token"].removeprefix("token_id:")) for named in data["choices"][0]["logprobs"]["content"]]
+        assert [text["token"] for text in plain["choices"][0]["logprobs"]["content"]] == vllm_logprob_texts(tiny_tokenizer, output)
         for named, text in zip(data["choices"][0]["logprobs"]["content"], plain["choices"][0]["logprobs"]["content"], strict=True):
             token_id = int(named["token"].removeprefix("token_id:"))
-            assert named["token"] == f"token_id:{token_id}" and tiny_tokenizer.decode([token_id]) == text["token"]
+            assert named["token"] == f"token_id:{token_id}"
             assert named["bytes"] == text["bytes"]
             assert [t["token"] for t in named["top_logprobs"]] == [f"token_id:{token_id}"]
             assert named["top_logprobs"][0]["bytes"] == list(f"token_id:{token_id}".encode())

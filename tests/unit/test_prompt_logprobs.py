@@ -13,33 +13,38 @@ from typing import Any
 import pytest
 
 from serve_app.wire.protocol import TokenLogprob
-from tests.support.inprocess import PROMPT, App, args, body_of, completion, engine_calls, run
+from tests.support.inprocess import PROMPT, App, args, body_of, completion, engine_calls, run, vllm_logprob_texts
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 def own_entries(tokenizer: Any, prompt: list[int]) -> list[dict[str, Any] | None]:
-    """The field for the mock model's prompt with k 0: each token's own entry alone."""
-    return [None] + [{str(t): {"logprob": -0.25, "rank": 1, "decoded_token": tokenizer.decode([t])}} for t in prompt[1:]]
+    """The field for the mock model's prompt with k 0: each token's own entry alone, its text as
+    vLLM's engine gives it."""
+    texts = vllm_logprob_texts(tokenizer, prompt[1:])
+    return [None] + [{str(t): {"logprob": -0.25, "rank": 1, "decoded_token": text}} for t, text in zip(prompt[1:], texts)]
 
 
-def third(t: int) -> TokenLogprob:
+def ranked(t: int, rank: int) -> TokenLogprob:
+    """Token t ranked 1st or 3rd among itself and ids t + 1, t + 2 (best first), t + 3 below."""
+    if rank == 1:
+        return TokenLogprob(t, -0.5, ((t, -0.5), (t + 1, -1.0), (t + 2, -2.0), (t + 3, -3.0)), rank=1)
     return TokenLogprob(t, -2.0, ((t + 1, -0.5), (t + 2, -1.0), (t, -2.0), (t + 3, -3.0)), rank=3)
 
 
-def with_alternatives(app: App) -> None:
-    """Engines whose prompt logprobs rank each token 3rd, behind two others (ids + 1 and + 2),
-    with a fourth below it: what the router keeps of them depends on the k asked for."""
+def with_alternatives(app: App, rank: int) -> None:
+    """Engines whose prompt logprobs rank each token ``rank`` (``ranked``): what the router keeps
+    of them depends on the k asked for."""
     for engine in app.engines.values():
         real = engine.runner.generate
 
-        async def ranked(request: Any, real: Any = real) -> Any:
+        async def alternatives(request: Any, real: Any = real) -> Any:
             async for delta in real(request):
                 if delta.prompt_logprobs is not None:
-                    delta.prompt_logprobs = [None if lp is None else third(lp.token_id) for lp in delta.prompt_logprobs]
+                    delta.prompt_logprobs = [None if lp is None else ranked(lp.token_id, rank) for lp in delta.prompt_logprobs]
                 yield delta
 
-        engine.runner.generate = ranked
+        engine.runner.generate = alternatives
 
 
 async def chat(app: App, **body: Any) -> tuple[int, Any]:
@@ -69,26 +74,57 @@ def test_a_completions_prompt_logprobs_are_in_each_choice_computed_once_where_th
     run(body, args(router={"mode": "disaggregated"}), tiny_tokenizer)
 
 
-def test_the_top_k_follow_the_token_with_their_ranks_and_an_echo_keeps_its_own_k(tiny_tokenizer):
+@pytest.mark.parametrize("rank", [1, 3])
+def test_the_top_k_follow_the_token_with_their_ranks_and_an_echo_reads_the_same_k(tiny_tokenizer, rank):
+    """As vLLM's server: the engine is asked for the client's prompt_logprobs (else the echo's
+    logprobs); the field has the token, then the top k; the echo's top_logprobs the first
+    logprobs + 1 of the same entries (the token first)."""
+
     async def body(app: App) -> None:
-        with_alternatives(app)
+        with_alternatives(app, rank)
         calls = engine_calls(app)
         status, data = await completion(app, PROMPT, max_tokens=2, prompt_logprobs=2, echo=True, logprobs=1, return_token_ids=False)
         assert status == 200, data
-        assert [c["prompt_logprobs"] for c in calls] == [2]  # the larger k, once
+        assert [c["prompt_logprobs"] for c in calls] == [2]  # the client's k, once
         field = data["choices"][0]["prompt_logprobs"]
         assert field[0] is None and len(field) == len(PROMPT)
+        text = {t: piece for t, piece in zip(range(1, 40), vllm_logprob_texts(tiny_tokenizer, list(range(1, 40))))}
         for t, entries in zip(PROMPT[1:], field[1:]):
-            text = tiny_tokenizer.decode
-            assert list(entries.items()) == [  # the token first, then the top 2, as vLLM's dict
-                (str(t), {"logprob": -2.0, "rank": 3, "decoded_token": text([t])}),
-                (str(t + 1), {"logprob": -0.5, "rank": 1, "decoded_token": text([t + 1])}),
-                (str(t + 2), {"logprob": -1.0, "rank": 2, "decoded_token": text([t + 2])}),
-            ]
-        # The echo's logprobs keep their own k (1): the token and the best alternative.
+            if rank == 3:
+                want = [(t, -2.0, 3), (t + 1, -0.5, 1), (t + 2, -1.0, 2)]
+            else:
+                want = [(t, -0.5, 1), (t + 1, -1.0, 2)]
+            assert list(entries.items()) == [(str(i), {"logprob": lp, "rank": r, "decoded_token": text[i]}) for i, lp, r in want]
         top = data["choices"][0]["logprobs"]["top_logprobs"]
         assert top[0] is None
-        assert top[1] == {tiny_tokenizer.decode([PROMPT[1]]): -2.0, tiny_tokenizer.decode([PROMPT[1] + 1]): -0.5}
+        t = PROMPT[1]
+        assert top[1] == ({text[t]: -2.0, text[t + 1]: -0.5} if rank == 3 else {text[t]: -0.5, text[t + 1]: -1.0})
+        # With no prompt_logprobs, the echo's k is asked and the field shows it too.
+        calls.clear()
+        status, data = await completion(app, PROMPT, max_tokens=2, echo=True, logprobs=1, return_token_ids=False)
+        assert [c["prompt_logprobs"] for c in calls] == [1] and len(data["choices"][0]["prompt_logprobs"][1]) == (2 if rank == 3 else 1)
+        # A client's smaller k is what the engine computes, for the echo too.
+        calls.clear()
+        status, data = await completion(app, PROMPT, max_tokens=2, echo=True, logprobs=2, prompt_logprobs=0, return_token_ids=False)
+        assert status == 200 and [c["prompt_logprobs"] for c in calls] == [0]
+
+    run(body, args(), tiny_tokenizer)
+
+
+def test_a_multi_byte_characters_pieces_are_read_together_as_vllms_engine_reads_them(tiny_tokenizer):
+    """A byte-level vocabulary splits CJK text into byte tokens whose own text is "\ufffd":
+    vLLM's engine gives each the character it completes ("" before that), so the texts add up to
+    the prompt's; the output's logprobs the same, across chunks."""
+
+    async def body(app: App) -> None:
+        text = "say 日本語 ok"
+        prompt = tiny_tokenizer.encode(text)
+        request = {"prompt": text, "max_tokens": 1, "prompt_logprobs": 0}
+        status, data = await body_of(await app.service.http("completions", json.dumps(request).encode()))
+        assert status == 200, data
+        pieces = [None if e is None else next(iter(e.values()))["decoded_token"] for e in data["choices"][0]["prompt_logprobs"]]
+        assert pieces[1:] == vllm_logprob_texts(tiny_tokenizer, prompt[1:]) and "".join(pieces[1:]) == tiny_tokenizer.decode(prompt[1:])
+        assert "\ufffd" in tiny_tokenizer.decode(prompt[5:6]) and "日" in pieces  # (byte tokens there, read together)
 
     run(body, args(), tiny_tokenizer)
 
