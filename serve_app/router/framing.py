@@ -443,7 +443,8 @@ class ResponseFramer:
         ids = self.request.prompt_token_ids
         echoed = [(token_id, lp, _prompt_context(ids, position)) for position, (token_id, lp) in enumerate(prompt or ())]
         for token_id, lp, context in [*echoed, *((lp.token_id, lp, self._next_output_context(lp.token_id)) for lp in logprobs)]:
-            # A token with no logprobs (an echoed prompt's first, which nothing predicts): its text alone, as vLLM's server.
+            # A token with no logprobs (an echoed prompt's first, which nothing predicts): its own text (vLLM's
+            # server decodes it alone, which drops a SentencePiece token's leading space; this keeps it).
             token = self._label(token_id, context) if lp is not None or self.request.tokens_as_ids else self.token_text(token_id)
             out.tokens.append(token)
             out.text_offset.append(offset)
@@ -455,9 +456,8 @@ class ResponseFramer:
             out.token_logprobs.append(json_logprob(lp.logprob))
             # The legacy API's top_logprobs: the token, then the best others, k + 1 in all where
             # the engine gave more (an echo's prompt asked with a larger prompt_logprobs), as vLLM's.
-            ranked = [(lp.token_id, lp.logprob), *((tid, value) for tid, value in lp.top if tid != lp.token_id)]
             top = {token: json_logprob(lp.logprob)}
-            top.update((self._label(tid, context), json_logprob(value)) for tid, value in ranked[1 : self.request.logprobs + 1])
+            top.update((self._label(tid, context), json_logprob(value)) for tid, value in _token_first(lp)[1 : self.request.logprobs + 1])
             out.top_logprobs.append(top)
         # The next chunk's offsets go on from these tokens' text, as vLLM's server counts them
         # (not from the text sent, which lags the tokens while a stop string may be forming).
@@ -478,9 +478,11 @@ class ResponseFramer:
             context = self._next_output_context(lp.token_id)
             # The sampled token's bytes are its text's, as vLLM's server sends them, whatever its label.
             text = self._piece(lp.token_id, context)
+            # vLLM's server: the first top_logprobs of the sampled token and the best others (the
+            # sampled one first, whatever its rank).
             top = [
                 ChatCompletionLogProb(token=(label := self._label(tid, context)), logprob=json_logprob(value), bytes=list(label.encode()))
-                for tid, value in lp.top[: self.request.logprobs]
+                for tid, value in _token_first(lp)[: self.request.logprobs]
             ]
             content.append(
                 ChatCompletionLogProbsContent(
@@ -511,6 +513,11 @@ class ResponseFramer:
         context = self._output_context[-PIECE_CONTEXT:]
         self._output_context = [*context, token_id]
         return context
+
+
+def _token_first(lp: TokenLogprob) -> list[tuple[int, float]]:
+    """A position's entries as vLLM's engine orders them: the token, then the best others."""
+    return [(lp.token_id, lp.logprob), *((tid, value) for tid, value in lp.top if tid != lp.token_id)]
 
 
 def _prompt_context(ids: list[int], position: int) -> list[int]:

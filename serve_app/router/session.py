@@ -35,9 +35,11 @@ from serve_app.runtime.metrics import RouterMetrics
 
 logger = logging.getLogger("pd_serve.router")
 
-# An echo's prompt logprobs of more entries than this are framed in a worker thread: about 30 ms
-# of the event loop, where every stream of the replica waits for it.
-OFFLOAD_LOGPROB_ENTRIES = 64 * 1024
+# A reply whose logprobs have more entries than this (the prompt's, and a whole reply's output's)
+# is framed in a worker thread: up to about 30 ms of the event loop, where every stream of the
+# replica waits for it (an entry is about 0.5 µs; a multi-byte character's piece, read in
+# context, up to 7 µs).
+OFFLOAD_LOGPROB_ENTRIES = 4 * 1024
 
 
 class ResponseSession:
@@ -147,7 +149,8 @@ class ResponseSession:
             prompt_tokens=m.prompt_tokens,
             prompt_logprobs=m.prompt_logprobs,
         )
-        if self.request.prompt_logprob_entries > OFFLOAD_LOGPROB_ENTRIES:
+        output_entries = len(m.output_token_ids) * (self.request.logprobs + 1) if self.request.logprobs is not None else 0
+        if self.request.prompt_logprob_entries + output_entries > OFFLOAD_LOGPROB_ENTRIES:
             return 200, await asyncio.to_thread(final)
         return 200, final()
 

@@ -341,3 +341,30 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(tiny_tokeniz
         assert all("usage" not in e for e in plain[1] if isinstance(e, dict) and e["choices"])
 
     run(body, args(), tiny_tokenizer)
+
+
+def test_a_chat_tokens_top_logprobs_start_with_it_as_on_vllms_server(tiny_tokenizer):
+    """vLLM's server lists a chat token's top_logprobs as the first k of its engine's entries: the
+    sampled token, then the best others, whatever the sampled one's rank."""
+    from serve_app.wire.protocol import TokenLogprob
+
+    async def body(app: App) -> None:
+        for engine in app.engines.values():
+            real = engine.runner.generate
+
+            async def third(request: Any, real: Any = real) -> Any:  # each sampled token ranked 3rd
+                async for delta in real(request):
+                    if delta.logprobs is not None:
+                        delta.logprobs = [TokenLogprob(t, -2.0, ((t + 1, -0.5), (t + 2, -1.0), (t, -2.0)), rank=3) for t in delta.token_ids]
+                    yield delta
+
+            engine.runner.generate = third
+        request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+        status, data = await body_of(await app.service.http("chat", json.dumps({**request, "return_tokens_as_token_ids": True}).encode()))
+        assert status == 200, data
+        for entry in data["choices"][0]["logprobs"]["content"]:
+            t = int(entry["token"].removeprefix("token_id:"))
+            listed = [(top["token"], top["logprob"]) for top in entry["top_logprobs"]]
+            assert listed == [(f"token_id:{t}", -2.0), (f"token_id:{t + 1}", -0.5)]
+
+    run(body, args(), tiny_tokenizer)

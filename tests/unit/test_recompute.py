@@ -369,8 +369,8 @@ def test_stop_strings_match_as_vllms_detokenizer_does(stops, min_tokens, tokens,
 
 
 def test_logprobs_are_framed_as_vllms_server_frames_them(ctx):
-    """Completions' top_logprobs always hold the sampled token (OpenAI's legacy API: up to
-    logprobs + 1 entries), and -inf (a token masked out) is sent as -9999.0, never as JSON's
+    """Top logprobs hold the sampled token first (completions: up to logprobs + 1 entries; chat:
+    the first top_logprobs, as vLLM's server lists them), and -inf (a token masked out) is sent as -9999.0, never as JSON's
     invalid -Infinity."""
     inf = float("-inf")
     lps = [TokenLogprob(0, -0.5, ((1, -0.1), (0, -0.5))), TokenLogprob(2, inf, ((1, -0.2),)), TokenLogprob(3, -1.0, ())]
@@ -389,7 +389,8 @@ def test_logprobs_are_framed_as_vllms_server_frames_them(ctx):
             assert logprobs["top_logprobs"] == [{"a": -0.5, "b": -0.1}, {"c": -9999.0, "b": -0.2}, {"d": -1.0}]
         else:
             assert [c["logprob"] for c in logprobs["content"]] == [-0.5, -9999.0, -1.0]
-            assert [[t["token"] for t in c["top_logprobs"]] for c in logprobs["content"]] == [["b"], ["b"], []]
+            # vLLM's server: the first top_logprobs of the engine's entries, the sampled token first.
+            assert [[t["token"] for t in c["top_logprobs"]] for c in logprobs["content"]] == [["a"], ["c"], ["d"]]
 
 
 def test_return_token_ids_returns_the_prompts_too_as_vllms_server_does(ctx):
