@@ -1,5 +1,5 @@
 """Hypothesis strategies for OpenAI request bodies, shared by the fuzz tests on real engines
-(tests/integration/test_fuzz.py) and on the in-process app (tests/unit/test_fuzz_fast.py).
+(tests/integration/serve_yaml/test_fuzz.py) and on the in-process app (tests/unit/test_fuzz_fast.py).
 
 Each field is drawn from sensible, borderline and hostile values: wrong types, numbers out of
 range and past what any encoding carries, lone surrogates, nested junk, token ids outside the

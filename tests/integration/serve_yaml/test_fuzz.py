@@ -19,23 +19,13 @@ import pytest
 import requests
 from hypothesis import HealthCheck, example, given, settings
 
-from tests.support.cluster import deploy, serve_yaml_app, wait_idle
+from tests.support.cluster import wait_idle
 from tests.support.fuzz_strategies import CHAT_ONLY, CLIENT_ERRORS, COMPLETIONS_ONLY, bodies, messages, oversized, prompts, raw_bodies
 
 pytestmark = pytest.mark.engine
 
 EXAMPLES = 80  # per route: enough to reach the engines with odd but valid requests, bounded in time
 REQUEST_TIMEOUT_S = 60
-
-
-@pytest.fixture(scope="module")
-def app(cluster):
-    from ray import serve
-
-    spec = serve_yaml_app()
-    deployed = deploy(cluster, "fuzz", "/fuzz", {**spec["args"], "kv_port_base": 38000})
-    yield deployed
-    serve.delete(deployed.name)
 
 
 @pytest.fixture(autouse=True)

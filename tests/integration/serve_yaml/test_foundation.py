@@ -1,5 +1,6 @@
 """The app exactly as configs/serve.yaml describes it, on real Ray Serve and real vLLM CPU
-engines: OpenAI API (completions and chat, stream and not), the handle API, bad input, metrics."""
+engines: OpenAI API (completions and chat, stream and not), the handle API, bad input, metrics.
+The app (``app``, conftest.py) is the one test_fuzz.py uses after these tests."""
 
 from __future__ import annotations
 
@@ -12,19 +13,9 @@ import psutil
 import pytest
 import requests
 
-from tests.support.cluster import LogWatch, deploy, serve_yaml_app, wait_for_metrics, wait_idle
+from tests.support.cluster import LogWatch, wait_for_metrics, wait_idle
 
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module")
-def app(cluster):
-    from ray import serve
-
-    spec = serve_yaml_app()
-    deployed = deploy(cluster, spec["name"], spec["route_prefix"], spec["args"])
-    yield deployed
-    serve.delete(deployed.name)
 
 
 @pytest.fixture(scope="module")
