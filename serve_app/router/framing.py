@@ -484,10 +484,9 @@ class ResponseFramer:
                 ChatCompletionLogProb(token=(label := self._label(tid, context)), logprob=json_logprob(value), bytes=list(label.encode()))
                 for tid, value in _token_first(lp)[: self.request.logprobs]
             ]
+            name = f"token_id:{lp.token_id}" if self.request.tokens_as_ids else text
             content.append(
-                ChatCompletionLogProbsContent(
-                    token=self._label(lp.token_id, context), logprob=json_logprob(lp.logprob), bytes=list(text.encode()), top_logprobs=top
-                )
+                ChatCompletionLogProbsContent(token=name, logprob=json_logprob(lp.logprob), bytes=list(text.encode()), top_logprobs=top)
             )
         return ChatCompletionLogProbs(content=content)
 

@@ -32,6 +32,7 @@ try:  # vLLM 0.32: VLLMValidationError derives from VLLMClientError, not from Va
 except ImportError:  # vLLM 0.23: VLLMValidationError is a ValueError
     from vllm.exceptions import VLLMValidationError as VLLMClientError  # type: ignore[assignment]
 
+
 def _clamps_max_tokens() -> bool:
     """Whether vLLM's server cuts a request's max_tokens down to what its prompt leaves of the
     context (vLLM 0.32: its renderer's input bound is the whole context), rather than refusing
