@@ -150,6 +150,14 @@ class Router:
     async def chat_completions(self, request: Request) -> Response:
         return await openai_call(self.service, "chat", request)
 
+    @http_app.post("/tokenize")
+    async def tokenize_route(self, request: Request) -> Response:
+        return await openai_call(self.service, "tokenize", request)
+
+    @http_app.post("/detokenize")
+    async def detokenize_route(self, request: Request) -> Response:
+        return await openai_call(self.service, "detokenize", request)
+
     @http_app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         return self.service.models()
@@ -171,6 +179,14 @@ class Router:
     async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
         """The final response dict (or an OpenAI error body) for this request."""
         return await self.service.complete(request)
+
+    async def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's /tokenize: the prompt's (or conversation's) token ids, or an OpenAI error body."""
+        return (await self.service.tokenizer_route("tokenize", request))[1]
+
+    async def detokenize(self, request: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's /detokenize: the text of ``tokens``, or an OpenAI error body."""
+        return (await self.service.tokenizer_route("detokenize", request))[1]
 
     async def engine_snapshot(self, refresh: bool = True) -> dict[str, Any]:
         return await self.service.engine_snapshot(refresh)

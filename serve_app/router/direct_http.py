@@ -122,6 +122,12 @@ def openai_app(service: RouterService) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         return await openai_call(service, "chat", request)
 
+    async def tokenize(request: Request) -> Response:
+        return await openai_call(service, "tokenize", request)
+
+    async def detokenize(request: Request) -> Response:
+        return await openai_call(service, "detokenize", request)
+
     async def models(request: Request) -> Response:
         return JSONResponse(service.models())
 
@@ -141,6 +147,8 @@ def openai_app(service: RouterService) -> Starlette:
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/pd/engines", engines, methods=["GET"]),

@@ -261,12 +261,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
     elif "prompt" not in body:
         raise bad_request("'prompt' is a required property", param="prompt")
 
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("'model' must be a string", param="model")
-    if not ctx.accepts(model):
-        raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{ctx.name}'", param="model")
-
+    model = checked_model(body, ctx)
     request = _validate(route, body)
     _reject_unsupported(route, request, ctx)
     parser_kwargs = template_kwargs(request) if route == "chat" else {}
@@ -461,15 +456,30 @@ def _refuse_reserved(body: dict[str, Any]) -> None:
             raise bad_request(f"vllm_xargs.{key} is set by this server and may not be sent by clients", param=f"vllm_xargs.{key}")
 
 
-def _validate(route: Route, body: dict[str, Any]) -> Any:
-    from pydantic import ValidationError
+def checked_model(body: dict[str, Any], ctx: ModelContext) -> str | None:
+    """The request's ``model``, which must name the served model or one of its aliases (a 404)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model")
+    if not ctx.accepts(model):
+        raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{ctx.name}'", param="model")
+    return model
 
+
+def _validate(route: Route, body: dict[str, Any]) -> Any:
     if route == "chat":
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Model
     else:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Model  # type: ignore[assignment]
+    return validated(Model, body)
+
+
+def validated(model: Any, body: dict[str, Any]) -> Any:
+    """``body`` as vLLM's protocol ``model``, whose errors become a 400 naming the parameter."""
+    from pydantic import ValidationError
+
     try:
-        return Model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:  # (a subclass of ValueError: caught first)
         errors = exc.errors()
         first = errors[0] if errors else {}
@@ -641,10 +651,10 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
     else:
         if request.documents is not None:
             refuse("documents", "documents (retrieval documents for the chat template)")
-        _check_template_kwargs(request, ctx)
+        check_template_kwargs(request, ctx)
 
 
-def _check_template_kwargs(request: Any, ctx: ModelContext) -> None:
+def check_template_kwargs(request: Any, ctx: ModelContext) -> None:
     """A client's template is code the router runs (its sandbox allows unbounded loops and
     strings): refused unless the operator trusts clients, as vLLM does; other arguments of
     apply_chat_template are never the client's."""
@@ -777,6 +787,18 @@ def template_kwargs(request: Any) -> dict[str, Any]:
 
 
 def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
+    # (a prompt to truncate may be longer than the context)
+    text = chat_prompt_text(request, ctx, bounded=request.truncate_prompt_tokens is None)
+    # The template writes the special tokens (BOS) itself.
+    ids = ctx.encode(text, request.add_special_tokens)
+    if not ids:
+        raise bad_request("The rendered prompt is empty", param="messages")
+    return ids
+
+
+def chat_prompt_text(request: Any, ctx: ModelContext, *, bounded: bool) -> str:
+    """The conversation rendered by the chat template, as an engine's prompt; ``bounded``: text
+    longer than the context could hold is refused before it is tokenized."""
     conversation = []
     for i, message in enumerate(request.messages):
         field_of = message.get if isinstance(message, dict) else lambda name, m=message: getattr(m, name, None)
@@ -825,13 +847,9 @@ def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
     if not isinstance(text, str):
         raise bad_request("The chat template did not render text", param="messages")
-    if request.truncate_prompt_tokens is None:  # (a prompt to truncate may be longer than the context)
+    if bounded:
         _check_text_length(text, "messages", ctx)
-    # The template writes the special tokens (BOS) itself.
-    ids = ctx.encode(text, request.add_special_tokens)
-    if not ids:
-        raise bad_request("The rendered prompt is empty", param="messages")
-    return ids
+    return text
 
 
 class TemplateTimeout(Exception):

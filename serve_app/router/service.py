@@ -37,6 +37,7 @@ from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_s
 from serve_app.router.pool import EnginePool, PrefixRouting
 from serve_app.router.session import OFFLOAD_LOGPROB_ENTRIES, ResponseSession
 from serve_app.router.text import token_piece
+from serve_app.router.tokenization import TokenizerRoute, answer
 from serve_app.runtime.metrics import RouterMetrics
 from serve_app.wire.protocol import Role
 
@@ -273,8 +274,12 @@ class RouterService:
                 asyncio.get_running_loop().create_task(self.pool.client.close())
 
     # ------------------------------------------------------------------ HTTP
-    async def http(self, route: Route, raw_body: bytes) -> Response:
-        """A /v1/completions or /v1/chat/completions request, answered as the OpenAI API does."""
+    async def http(self, route: Route | TokenizerRoute, raw_body: bytes) -> Response:
+        """A /v1/completions or /v1/chat/completions request, answered as the OpenAI API does (or
+        one of vLLM's /tokenize and /detokenize)."""
+        if route == "tokenize" or route == "detokenize":
+            status, reply = await self.tokenizer_route(route, raw_body)
+            return JSONResponse(reply, status)
         received = time.monotonic()
         try:
             parsed = await self._parse(route, raw_body)
@@ -368,6 +373,30 @@ class RouterService:
             return exc.body()
         _, response = await self._final(parsed, received)
         return response
+
+    async def tokenizer_route(self, route: TokenizerRoute, body: Any) -> tuple[int, dict[str, Any]]:
+        """``/tokenize`` or ``/detokenize`` (router/tokenization.py): the status and the body.
+        ``body`` is the request's raw bytes (HTTP) or its object (the handle API); no engine is
+        called. Off the event loop where ``_parse`` would take a completion off it."""
+        try:
+            if isinstance(body, bytes):
+                size = len(body)
+                if size <= OFFLOAD_BYTES:
+                    body = decode_json(body)
+            else:
+                size = check_strings(body)
+            if isinstance(body, bytes) or size is None or size > OFFLOAD_BYTES or self._heavy("chat", body):
+                reply = await asyncio.to_thread(lambda: answer(route, decode_json(body) if isinstance(body, bytes) else body, self.ctx))
+            else:
+                reply = answer(route, body, self.ctx)
+            status = 200
+        except OpenAIError as exc:
+            status, reply = exc.status, exc.body()
+        except Exception:  # a bug of ours, not the client's
+            logger.exception("could not answer a %s request", route)
+            status, reply = 500, error_body(f"internal error while answering a {route} request", 500)
+        self._count(route, status)
+        return status, reply
 
     async def engine_view(self, full: bool) -> dict[str, Any]:
         """``/pd/engines``: the whole snapshot for the operator; for anyone else, only what a

@@ -194,6 +194,26 @@ def test_handle_api_matches_http(app, client):
     wait_idle(app)
 
 
+def test_tokenize_gives_the_ids_the_engines_get_and_detokenize_their_text(app, tokenizer):
+    """vLLM's /tokenize and /detokenize, over HTTP and the handle API (router/tokenization.py)."""
+    url = app.base_url
+    for tokenize, path in (({"prompt": PROMPT}, "/v1/completions"), ({"messages": MESSAGES}, "/v1/chat/completions")):
+        counted = requests.post(url + "/tokenize", json={**tokenize, "model": MODEL}, timeout=30).json()
+        assert counted["count"] == len(counted["tokens"]) and counted["max_model_len"] == 2048
+        assert app.handle.tokenize.remote(tokenize).result(timeout_s=30) == counted
+        served = requests.post(url + path, json={**tokenize, "max_tokens": 4, **IDS}, timeout=120).json()
+        assert served["usage"]["prompt_tokens"] == counted["count"]
+        assert (served.get("prompt_token_ids") or served["choices"][0]["prompt_token_ids"]) == counted["tokens"]
+        text = requests.post(url + "/detokenize", json={"tokens": counted["tokens"]}, timeout=30).json()
+        assert text == {"prompt": tokenizer.decode(counted["tokens"])}
+        assert app.handle.detokenize.remote({"tokens": counted["tokens"]}).result(timeout_s=30) == text
+    assert counted["tokens"][:1] == [tokenizer.bos_token_id] and "<|assistant|>" in text["prompt"]  # the chat template's
+    refused = requests.post(url + "/detokenize", json={"tokens": [1, 10**6]}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+    assert app.handle.tokenize.remote({"messages": []}).result(timeout_s=30)["error"]["param"] == "messages"
+    wait_idle(app)
+
+
 BAD_INPUTS: list[tuple[str, str | bytes, int, str | None]] = [
     ("/v1/completions", b"{not json", 400, None),
     ("/v1/completions", json.dumps({"model": MODEL}), 400, "prompt"),
