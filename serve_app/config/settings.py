@@ -358,6 +358,14 @@ class RouterConfig(ScalingConfig):
         if self.tool_parser_plugin and not self.tool_call_parser:
             raise ValueError("router.tool_parser_plugin registers a tool parser; name it in router.tool_call_parser")
         return self
+    api_keys: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None,
+        description=(
+            "vLLM's --api-key: clients must send 'Authorization: Bearer <one of these>' on every route but /health "
+            "(a 401 otherwise); unset: VLLM_API_KEY from the router replicas' environment, if set (which keeps the "
+            "key off the Ray dashboard's copy of this config); [] or neither: no key is asked for"
+        ),
+    )
     operator_token: str | None = Field(
         None,
         min_length=16,

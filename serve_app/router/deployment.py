@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app.config.autoscaling import CLIENT_REQUESTS
 from serve_app.config.backends import engine_specs
 from serve_app.config.settings import load_config
-from serve_app.router.direct_http import authorized_operator, openai_call, serve_openai
+from serve_app.router.direct_http import authorized_operator, openai_call, refused_client, serve_openai
 from serve_app.router.errors import error_body
 from serve_app.router.sampling_defaults import max_tokens_cap, model_sampling_defaults
 from serve_app.router.service import RouterService
@@ -159,15 +159,18 @@ class Router:
         return await openai_call(self.service, "detokenize", request)
 
     @http_app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return self.service.models()
+    async def models(self, request: Request) -> Any:
+        return refused_client(self.service, "models", request) or self.service.models()
 
     @http_app.get("/health")
     async def health(self) -> Response:
         return await self.service.health()
 
     @http_app.get("/pd/engines")
-    async def engines(self, request: Request) -> dict[str, Any]:
+    async def engines(self, request: Request) -> Any:
+        refused = refused_client(self.service, "engines", request, operator_too=True)
+        if refused is not None:
+            return refused
         return await self.service.engine_view(authorized_operator(self.service, request.headers.get("authorization")))
 
     # ------------------------------------------------------------------ handle API

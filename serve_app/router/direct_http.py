@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from serve_app.router.client_keys import unauthorized
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body
 from serve_app.router.service import RouterService
 from serve_app.runtime.http_server import InReplicaServer, listening_socket
@@ -63,8 +64,11 @@ def _declares_more(content_length: str, limit: int) -> bool:
 
 
 async def openai_call(service: RouterService, route: Any, request: Request) -> Response:
-    """An OpenAI route: the body within the configured limits, then the service, for as long as
-    the client stays."""
+    """An OpenAI route: the client's key, the body within the configured limits, then the
+    service, for as long as the client stays."""
+    refused = refused_client(service, route, request)
+    if refused is not None:
+        return refused
     http = service.config.router.http
     try:
         body = await read_body(request, http.max_body_bytes, http.body_timeout_s)
@@ -109,6 +113,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def refused_client(service: RouterService, route: Any, request: Request, operator_too: bool = False) -> Response | None:
+    """The 401 for a client without one of the API keys (router/client_keys.py), counted under
+    ``route``; None: admitted. ``operator_too``: the operator token admits as well."""
+    authorization = request.headers.get("authorization")
+    if service.client_keys.admit(authorization) or (operator_too and authorized_operator(service, authorization)):
+        return None
+    service.refused(route, 401)
+    return unauthorized()
+
+
 def authorized_operator(service: RouterService, authorization: str | None) -> bool:
     """Whether the caller holds the operator token (``router.operator_token``); none is set: no one."""
     token = service.config.router.operator_token
@@ -129,12 +143,15 @@ def openai_app(service: RouterService) -> Starlette:
         return await openai_call(service, "detokenize", request)
 
     async def models(request: Request) -> Response:
-        return JSONResponse(service.models())
+        return refused_client(service, "models", request) or JSONResponse(service.models())
 
     async def health(request: Request) -> Response:
         return await service.health()
 
     async def engines(request: Request) -> Response:
+        refused = refused_client(service, "engines", request, operator_too=True)
+        if refused is not None:
+            return refused
         full = authorized_operator(service, request.headers.get("authorization"))
         return JSONResponse(await service.engine_view(full))
 

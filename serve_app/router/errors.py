@@ -13,6 +13,7 @@ CLIENT_CLOSED = 499  # nginx's status for a client that went away; used in metri
 # status -> (OpenAI error type, pd_errors_total kind)
 STATUS = {
     400: ("invalid_request_error", "invalid_request"),
+    401: ("invalid_request_error", "unauthorized"),  # OpenAI's type for a missing or wrong key
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     408: ("invalid_request_error", "client_timeout"),

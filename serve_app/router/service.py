@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
@@ -27,6 +28,7 @@ from serve_app.config.settings import AppConfig
 from serve_app.router.balancer import every_line_at_least
 from serve_app.router.cdcp import AttemptExecutor
 from serve_app.router.choices import ChoicesSession
+from serve_app.router.client_keys import ClientKeys
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
 from serve_app.router.framing import SSE_DONE, sse
@@ -180,6 +182,7 @@ class RouterService:
         each role's deployment handles (for calls, for stats polls), whose replicas join and leave
         as Serve runs them."""
         self.config = config
+        self.client_keys = ClientKeys.of(config.router.api_keys, os.environ)
         self.tokenizer = tokenizer
         self.ctx = ModelContext(
             name=config.model_name,

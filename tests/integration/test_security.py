@@ -32,7 +32,8 @@ ARGS = {
     "engine_kwargs": {"structured_outputs_config": {"reasoning_parser": "qwen3", "enable_in_reasoning": True}},
     "prefill": {"num_replicas": 1, "num_cpus": 0.1},
     "decode": {"num_replicas": 1, "num_cpus": 0.1},
-    "router": {"mode": "colocated", "num_cpus": 0.05},
+    # Clients need a key (vLLM's --api-key): every request below sends it (tests/support/cluster.py).
+    "router": {"mode": "colocated", "num_cpus": 0.05, "api_keys": ["token-abc123"]},
 }
 
 
@@ -83,6 +84,27 @@ def target() -> Iterator[Target]:
 
 def steering(target: Target) -> dict:
     return {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": target.url, "request_id": "x1"}
+
+
+def test_a_client_without_the_api_key_is_refused_and_one_with_it_served(app):
+    import openai
+
+    url = app.base_url
+    for key in ("token-abc12", "other"):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError):
+            client.completions.create(model="tiny-llama", prompt="The river", max_tokens=4)
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/models", "/pd/engines"):  # no key at all
+        refused = requests.request("GET" if path in ("/v1/models", "/pd/engines") else "POST", url + path, json={"prompt": "x"}, timeout=30)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == 401, refused.text
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+    client = openai.OpenAI(base_url=url + "/v1", api_key="token-abc123", max_retries=0, timeout=60)
+    served = client.completions.create(model="tiny-llama", prompt="The river", max_tokens=4, extra_body={"ignore_eos": True})
+    assert served.usage.completion_tokens == 4
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+    wait_idle(app)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -155,7 +177,7 @@ def test_a_request_the_engine_refuses_is_a_400_not_a_retry(app):
 
 
 def test_the_unchanged_request_still_works(app):
-    response = requests.post(app.base_url + "/v1/completions", json={"prompt": "The river", "max_tokens": 5}, timeout=60)
+    response = post(app, "/v1/completions", {"prompt": "The river", "max_tokens": 5}, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
     assert json.loads(json.dumps(response.json()))["choices"][0]["finish_reason"] == "length"
 
@@ -182,7 +204,8 @@ def test_a_reasoning_models_thinking_is_split_from_its_answer(app, tiny_tokenize
     assert re.fullmatch(words, reasoning) and re.fullmatch(words, content), choice
     assert tiny_tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == f"<think>{reasoning}</think>{content}"
 
-    with requests.post(app.base_url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=120) as streamed:
+    stream = {**body, "stream": True}
+    with requests.post(app.base_url + "/v1/chat/completions", json=stream, headers=app.headers, stream=True, timeout=120) as streamed:
         deltas = [chunk["choices"][0]["delta"] for chunk in sse_chunks(streamed) if chunk["choices"]]
     assert "".join(d.get("reasoning") or "" for d in deltas) == reasoning and "".join(d.get("content") or "" for d in deltas) == content
 

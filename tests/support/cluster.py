@@ -82,6 +82,12 @@ class DeployedApp:
 
         return serve.get_app_handle(self.name)
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client of this app sends: its first API key (``router.api_keys``), if it has any."""
+        keys = self.args.get("router", {}).get("api_keys")
+        return {"authorization": f"Bearer {keys[0]}"} if keys else {}
+
     def snapshot(self, refresh: bool = True) -> dict[str, Any]:
         """The router's view of its engines; ``refresh``: after polling every engine's stats
         (else as it stands, e.g. to see whom the router knows, on a busy host)."""
@@ -236,7 +242,7 @@ def wait_for_metrics(port: int, wanted: list[tuple[str, str]], timeout_s: float 
 
 
 def post(app: DeployedApp, path: str, body: dict[str, Any], timeout: float = 180) -> requests.Response:
-    return requests.post(app.base_url + path, json=body, timeout=timeout)
+    return requests.post(app.base_url + path, json=body, headers=app.headers, timeout=timeout)
 
 
 def completion_ids(app: DeployedApp, prompt: Any, max_tokens: int = 12, **extra: Any) -> tuple[str, list[int]]:

@@ -1,0 +1,141 @@
+"""API keys on the router's HTTP routes (router/client_keys.py), as vLLM's ``--api-key``: over
+the router's own HTTP app on the in-process app (mock engines)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+from unittest import mock
+
+import httpx
+import pytest
+
+from serve_app.config.settings import load_config
+from serve_app.router.client_keys import ClientKeys
+from serve_app.router.direct_http import openai_app
+from tests.support.inprocess import MOCK_ARGS, App, engine_calls, recording_router_metrics
+
+KEYS = ["token-abc123", "second-key-of-two"]
+OPERATOR = "operator-token-0123456789"
+COMPLETION = {"prompt": [11, 12, 13], "max_tokens": 2}
+GUARDED = [
+    ("POST", "/v1/completions", COMPLETION),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    ("POST", "/tokenize", {"prompt": "Hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/v1/models", None),
+    ("GET", "/pd/engines", None),
+]
+
+
+def run(body, tokenizer: Any, metrics: Any = None, environ: dict[str, str] | None = None, **router: Any) -> None:
+    async def main() -> None:
+        args = copy.deepcopy(MOCK_ARGS)
+        args["router"] = {**args["router"], **router}
+        with mock.patch.dict("os.environ", environ or {}):
+            app = await App.start(args, tokenizer, metrics)
+        try:
+            transport = httpx.ASGITransport(app=openai_app(app.service))
+            async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as client:
+                await asyncio.wait_for(body(app, client), 60)
+            await app.idle()
+        finally:
+            await app.stop()
+
+    asyncio.run(main())
+
+
+async def call(client: httpx.AsyncClient, method: str, path: str, body: Any, authorization: str | None = None) -> httpx.Response:
+    headers = {} if authorization is None else {"authorization": authorization}
+    return await client.request(method, path, json=body, headers=headers)
+
+
+def assert_refused(response: httpx.Response) -> None:
+    assert response.status_code == 401, response.text
+    assert response.headers["www-authenticate"] == "Bearer"
+    error = response.json()["error"]
+    assert error["code"] == 401 and error["type"] == "invalid_request_error" and "API key" in error["message"]
+
+
+def test_with_keys_every_route_but_health_needs_one_and_a_refused_request_reaches_no_engine(tiny_tokenizer):
+    metrics = recording_router_metrics()
+    wrong = [None, "Bearer nope", "Basic token-abc123", "token-abc123", "Bearer token-abc12", "Bearer token-abc1234", "Bearer "]
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        calls = engine_calls(app)
+        for method, path, request in GUARDED:
+            for authorization in wrong:
+                assert_refused(await call(client, method, path, request, authorization))
+        assert calls == []
+        # A refused body is never read: a client without a key cannot make the router hold 4 MB.
+        huge = await client.post("/v1/completions", content=b"x" * (8 << 20), headers={"content-type": "application/json"})
+        assert_refused(huge)
+        assert (await client.get("/health")).status_code == 200  # probes carry no key
+        for method, path, request in GUARDED:
+            for authorization in ("Bearer token-abc123", "bearer second-key-of-two", "Bearer  token-abc123"):
+                response = await call(client, method, path, request, authorization)
+                assert response.status_code == 200, (path, authorization, response.text)
+        assert len(calls) == 3 * 2 * 2  # each admitted completion (3 keys, 2 routes): prefill and decode
+        engines = (await call(client, "GET", "/pd/engines", None, f"Bearer {OPERATOR}")).json()
+        assert all("call_endpoint" in engine for engine in engines["engines"].values())  # the operator's full view
+        public = (await call(client, "GET", "/pd/engines", None, "Bearer token-abc123")).json()
+        assert not any("call_endpoint" in engine for engine in public["engines"].values())
+        assert_refused(await call(client, "POST", "/v1/completions", COMPLETION, f"Bearer {OPERATOR}"))  # not a client key
+
+    run(body, tiny_tokenizer, metrics, api_keys=KEYS, operator_token=OPERATOR)
+    refused = len(wrong) * len(GUARDED) + 2
+    assert sum(value for key, value in metrics.requests.values.items() if ("status", "401") in key) == refused
+    assert metrics.requests.value(route="completions", status="401") == len(wrong) + 2
+    assert metrics.errors.value(kind="unauthorized") == refused
+
+
+def test_without_keys_nothing_is_asked_for(tiny_tokenizer):
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        for method, path, request in GUARDED:
+            assert (await call(client, method, path, request)).status_code == 200, path
+            assert (await call(client, method, path, request, "Bearer anything")).status_code == 200, path
+
+    run(body, tiny_tokenizer)
+
+
+@pytest.mark.parametrize(
+    "configured,environ,admitted,refused",
+    [
+        (None, {"VLLM_API_KEY": "from-the-env"}, "from-the-env", "other"),  # as vLLM's server reads it
+        (["from-config"], {"VLLM_API_KEY": "from-the-env"}, "from-config", "from-the-env"),  # the config wins
+        ([], {"VLLM_API_KEY": "from-the-env"}, None, None),  # turned off explicitly
+        (None, {"VLLM_API_KEY": ""}, None, None),
+    ],
+)
+def test_the_keys_come_from_the_config_else_vllms_environment_variable(tiny_tokenizer, configured, environ, admitted, refused):
+    router = {} if configured is None else {"api_keys": configured}
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        assert app.service.client_keys.required == (admitted is not None)
+        if admitted is None:
+            assert (await client.get("/v1/models")).status_code == 200
+            return
+        assert (await client.get("/v1/models", headers={"authorization": f"Bearer {admitted}"})).status_code == 200
+        assert_refused(await client.get("/v1/models", headers={"authorization": f"Bearer {refused}"}))
+
+    run(body, tiny_tokenizer, environ=environ, **router)
+
+
+def test_a_key_must_not_be_empty():
+    args = copy.deepcopy(MOCK_ARGS)
+    args["router"]["api_keys"] = ["ok-key", ""]
+    with pytest.raises(ValueError, match="api_keys"):
+        load_config(args)
+
+
+def test_a_refusal_compares_the_presented_key_with_every_key():
+    """No early exit on the first match or mismatch: each refusal costs the same whatever key was
+    presented, so its time says nothing of the keys."""
+    keys = ClientKeys(["a" * 20, "b" * 20, "c" * 20])
+    with mock.patch("serve_app.router.client_keys.secrets.compare_digest", wraps=__import__("secrets").compare_digest) as compare:
+        assert keys.admit("Bearer " + "a" * 20)
+        assert compare.call_count == 3
+        assert not keys.admit("Bearer " + "z" * 20)
+        assert compare.call_count == 6
+    assert ClientKeys(["", ""]).required is False and ClientKeys(["", ""]).admit(None)
