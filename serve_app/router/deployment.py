@@ -35,7 +35,7 @@ logger = logging.getLogger("pd_serve.router")
 
 HANDLE_OPTIONS = "ray.serve.handle.DeploymentHandle.options"  # its private ``_by_reference``
 
-http_app = FastAPI(title="pd-serve", docs_url=None, redoc_url=None)
+http_app = FastAPI(title="pd-serve", docs_url=None, redoc_url=None, openapi_url=None)  # the routes of router/direct_http.py only
 
 STATUS_TIMEOUT_S = 2.0
 # What a stopping router replica leaves of graceful_shutdown_timeout_s for Serve's own steps.

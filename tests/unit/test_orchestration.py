@@ -824,6 +824,23 @@ def test_the_router_serves_the_openai_api_itself(tiny_tokenizer):
     run(body, args(), tiny_tokenizer)
 
 
+def test_the_serve_ingress_and_the_routers_own_server_have_the_same_routes(tiny_tokenizer):
+    """Serve's proxy (the Router deployment's FastAPI app) and router.http answer the same paths
+    and methods, nothing more (no OpenAPI page on either)."""
+    from serve_app.router.deployment import http_app
+    from serve_app.router.direct_http import openai_app
+
+    async def body(app: App) -> None:
+        def routes(asgi: Any) -> set[tuple[str, frozenset[str]]]:
+            return {(route.path, frozenset(route.methods - {"HEAD"})) for route in asgi.routes}  # (Starlette adds HEAD to GET)
+
+        direct = routes(openai_app(app.service))
+        assert routes(http_app) == direct
+        assert {path for path, _ in direct} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models"}
+
+    run(body, args(), tiny_tokenizer)
+
+
 def test_an_in_replica_server_listens_and_stops():
     """The socket helper shares a port between replicas (SO_REUSEPORT) and the server stops."""
     import socket as socket_module
