@@ -649,8 +649,6 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
         if request.prompt_embeds is not None:
             refuse("prompt_embeds", "prompt_embeds")
     else:
-        if request.documents is not None:
-            refuse("documents", "documents (retrieval documents for the chat template)")
         check_template_kwargs(request, ctx)
 
 
@@ -779,11 +777,18 @@ def template_kwargs(request: Any) -> dict[str, Any]:
     """The variables the chat template gets besides the conversation, which the model's reply
     parsers get too (e.g. qwen3's reads ``enable_thinking``), as on vLLM's server."""
     kwargs = dict(request.chat_template_kwargs or {})
-    effort = getattr(request, "reasoning_effort", None)
+    effort = declared(request, "reasoning_effort")
     if effort is not None:  # as vLLM's server: the template reads it (the field wins over the
         kwargs["reasoning_effort"] = effort  # client's kwargs), and it opts in to thinking
         kwargs.setdefault("enable_thinking", effort != "none")
     return kwargs
+
+
+def declared(request: Any, name: str) -> Any:
+    """A field of the request where vLLM's model for its route has one (``reasoning_effort`` of
+    a chat completion, not of a /tokenize request); else None: vLLM's models keep a client's
+    unknown keys as attributes, which mean nothing to vLLM's server."""
+    return getattr(request, name) if name in type(request).model_fields else None
 
 
 def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
@@ -838,6 +843,7 @@ def chat_prompt_text(request: Any, ctx: ModelContext, *, bounded: bool) -> str:
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tools=template_tools(request),
+                documents=declared(request, "documents"),  # retrieval documents, for templates that read them (RAG)
                 **kwargs,
             )
     except TemplateTimeout:

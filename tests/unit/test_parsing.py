@@ -314,3 +314,24 @@ def test_a_max_tokens_past_the_prompts_room_is_cut_down_or_refused_as_the_instal
         assert [c.sampling_params.max_tokens for c in parse_request("completions", listed, ctx).choices] == [28, 60]
     else:
         assert refused(ctx, "completions", listed).param == "max_tokens"
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+def test_retrieval_documents_reach_the_chat_template_as_on_vllms_server(tiny_tokenizer, trusted):
+    """``documents`` (RAG templates read them) are rendered by the template, and the prompt's ids
+    are those vLLM's own renderer makes of the same request."""
+    pytest.importorskip("vllm.renderers.online_renderer", reason="vLLM 0.23 builds its renderer over an engine client")
+    import asyncio
+
+    from tests.support import vllm_renderer
+
+    documents = [{"title": "Mill", "text": "The mill stood by the river."}, {"title": "Gare", "text": "Où est la gare ? 東京"}]
+    body = {"messages": [{"role": "user", "content": "Where is the mill?"}], "documents": documents, "max_tokens": 4}
+    if trusted:  # a template that reads them (the tiny model's own does not)
+        body["chat_template"] = "{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}{{ messages[0].content }}"
+    ctx = ModelContext(name="m", aliases=frozenset(), max_model_len=256, vocab_size=1024, tokenizer=tiny_tokenizer)
+    ctx.trust_request_chat_template = trusted
+    ids = parse_request("chat", body, ctx).prompt_token_ids
+    online = vllm_renderer.online_renderer(256, trust_request_chat_template=trusted)
+    assert ids == asyncio.run(vllm_renderer.chat_prompt_ids(online, body))
+    assert ("[Mill] The mill stood by the river." in tiny_tokenizer.decode(ids)) is trusted

@@ -18,9 +18,9 @@ from unittest import mock
 import httpx
 import pytest
 
-from serve_app.config.settings import DEFAULT_MODEL_DIR
 from serve_app.router import service as service_module
 from serve_app.router.direct_http import openai_app
+from tests.support import vllm_renderer
 from tests.support.inprocess import MOCK_ARGS, App, engine_calls, recording_router_metrics
 
 MODEL = MOCK_ARGS["served_model_name"]
@@ -58,19 +58,7 @@ DETOKENIZE = [
 def vllm_tokenization():
     """vLLM's server's tokenization handler for the tiny model, as its api_server builds it."""
     pytest.importorskip("vllm.renderers.online_renderer", reason="vLLM 0.23 builds its handler over an engine client")
-    from vllm.config import ModelConfig, VllmConfig
-    from vllm.entrypoints.openai.models.protocol import BaseModelPath
-    from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
-    from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
-    from vllm.renderers.online_renderer import OnlineRenderer
-    from vllm.renderers.registry import renderer_from_config
-
-    with mock.patch.dict("os.environ", {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}):
-        model_config = ModelConfig(model=str(DEFAULT_MODEL_DIR), dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
-        renderer = renderer_from_config(VllmConfig(model_config=model_config))
-    online = OnlineRenderer(model_config, renderer, request_logger=None, chat_template=None, chat_template_content_format="auto")
-    models = OpenAIModelRegistry(model_config, [BaseModelPath(name=MODEL, model_path=str(DEFAULT_MODEL_DIR))])
-    return ServingTokenization(models, online, chat_template=None, chat_template_content_format="auto")
+    return vllm_renderer.tokenization(MODEL, MAX_MODEL_LEN)
 
 
 async def vllm_answer(handler: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
