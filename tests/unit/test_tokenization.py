@@ -173,8 +173,9 @@ def test_bad_requests_get_openai_errors_and_are_counted(tiny_tokenizer):
 
 
 def test_a_client_template_is_rendered_only_when_the_operator_trusts_clients(tiny_tokenizer):
-    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-    request = {"messages": CHAT[:2], "chat_template": template}
+    template = "{{ documents or '' }}{{ reasoning_effort or '' }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    # vLLM's /tokenize request has neither documents nor reasoning_effort: they are ignored, as there.
+    request = {"messages": CHAT[:2], "chat_template": template, "documents": [{"title": "t", "text": "x"}], "reasoning_effort": "low"}
 
     async def body(app: App, client: httpx.AsyncClient) -> None:
         response = await client.post("/tokenize", json=request)
