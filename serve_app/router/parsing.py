@@ -728,8 +728,8 @@ def _truncated(ids: list[int], *, keep: int, side: str | None, max_tokens: int |
         )
     if keep == 0:
         raise bad_request("truncate_prompt_tokens=0 leaves no prompt", param="truncate_prompt_tokens")
-    if keep < 0 or keep > room:
-        keep = room
+    if keep < 0:
+        keep = room  # (a keep of the whole context, on 0.32, leaves no room: refused after, as vLLM does)
     if keep >= len(ids):
         return ids
     if (side or getattr(ctx.tokenizer, "truncation_side", "right")) == "left":
