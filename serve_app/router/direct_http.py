@@ -75,7 +75,7 @@ async def openai_call(service: RouterService, route: Any, request: Request) -> R
     except OpenAIError as exc:
         service.refused(route, exc.status)
         return JSONResponse(exc.body(), exc.status)
-    return await until_client_leaves(request, service.http(route, body))
+    return await until_client_leaves(request, service.http(route, body, request.headers.get("x-request-id")))
 
 
 async def until_client_leaves(request: Request, work: Coroutine[Any, Any, Response]) -> Response:

@@ -75,6 +75,9 @@ UNTRUSTED_TEMPLATE = (
 # template renders a conversation in milliseconds, and a client's runs in a worker thread, where
 # nothing else would ever stop one that loops without end.
 CLIENT_TEMPLATE_TIMEOUT_S = 2.0
+# A client's name for its request (X-Request-Id, request_id): the characters of the KV side
+# channel's transfer ids (kv/wire.py), which engine request ids become.
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@+=/-]{1,128}")
 MAX_NESTING = 64  # deeper than any OpenAI request; a bound so checks never recurse unboundedly
 STRUCTURAL_TAG_WRAPPERS = 16  # the levels vLLM allows a structural tag beyond a schema's
 # Numbers the engines' msgpack encoding carries (vLLM's own engine protocol has the same range).
@@ -168,6 +171,13 @@ class ParsedRequest:
     prompt_logprob_entries: int = 0
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage in every chunk
+    # What the engine requests are named from: the response id, and where the client named the
+    # request (``X-Request-Id``, ``request_id``) a random suffix too, since clients' ids need not
+    # be unique and two engine requests of one name would be one.
+    engine_id_base: str = ""
+
+    def __post_init__(self) -> None:
+        self.engine_id_base = self.engine_id_base or self.response_id
 
     @property
     def choices(self) -> tuple[ParsedRequest, ...]:
@@ -177,7 +187,7 @@ class ParsedRequest:
     @property
     def engine_request_id(self) -> str:
         """The id this choice's attempts are named by on the engines (unique per choice)."""
-        return self.response_id if self.count == 1 else f"{self.response_id}-{self.index}"
+        return self.engine_id_base if self.count == 1 else f"{self.engine_id_base}-{self.index}"
 
 
 def _longest_token_chars(tokenizer: Any) -> int:
@@ -249,7 +259,9 @@ def route_of(body: Any) -> Route:
     return "chat" if isinstance(body, dict) and "messages" in body else "completions"
 
 
-def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
+def parse_request(route: Route, body: Any, ctx: ModelContext, header_id: str | None = None) -> ParsedRequest:
+    """``header_id``: the HTTP request's ``X-Request-Id``, which names the response (as on vLLM's
+    server, before the body's ``request_id``)."""
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
     _refuse_reserved(body)
@@ -325,10 +337,13 @@ def parse_request(route: Route, body: Any, ctx: ModelContext) -> ParsedRequest:
         samples.append((prompt_token_ids, params))
     first_params = samples[0][1]
     prefix = "chatcmpl" if route == "chat" else "cmpl"
+    client_id = _client_request_id(header_id, request)
+    response_id = f"{prefix}-{client_id or uuid.uuid4().hex}"
     stream_options = request.stream_options
     first = ParsedRequest(
         route=route,
-        response_id=f"{prefix}-{uuid.uuid4().hex}",
+        response_id=response_id,
+        engine_id_base=f"{response_id}-{uuid.uuid4().hex[:12]}" if client_id else response_id,
         created=int(time.time()),
         model=model or ctx.name,
         prompt_token_ids=samples[0][0],
@@ -417,6 +432,23 @@ def _sampling_params(
     _check_vocabulary(params, ctx)
     _check_grammar_nesting(params)
     return params, stops
+
+
+def _client_request_id(header_id: str | None, request: Any) -> str | None:
+    """The id the client gave its request, if any: ``X-Request-Id``, else the body's
+    ``request_id`` (vLLM's field; it makes one up where the client sends none). It names the
+    response (``cmpl-<id>``) and its engine requests, so logs can be searched for it: at most
+    128 characters of those the KV side channel carries in transfer ids (every UUID, base64
+    and usual trace id is one), else a 400."""
+    if header_id is not None:
+        where, client_id = "X-Request-Id", header_id
+    elif "request_id" in request.model_fields_set:
+        where, client_id = "request_id", request.request_id
+    else:
+        return None
+    if not isinstance(client_id, str) or not CLIENT_REQUEST_ID.fullmatch(client_id):
+        raise bad_request(f"{where} must be 1 to 128 characters of A-Z, a-z, 0-9 and ._:@+=/-", param="request_id")
+    return client_id
 
 
 def _nth_sample(params: Any, i: int) -> Any:

@@ -277,15 +277,15 @@ class RouterService:
                 asyncio.get_running_loop().create_task(self.pool.client.close())
 
     # ------------------------------------------------------------------ HTTP
-    async def http(self, route: Route | TokenizerRoute, raw_body: bytes) -> Response:
+    async def http(self, route: Route | TokenizerRoute, raw_body: bytes, request_id: str | None = None) -> Response:
         """A /v1/completions or /v1/chat/completions request, answered as the OpenAI API does (or
-        one of vLLM's /tokenize and /detokenize)."""
+        one of vLLM's /tokenize and /detokenize); ``request_id``: its ``X-Request-Id`` header."""
         if route == "tokenize" or route == "detokenize":
             status, reply = await self.tokenizer_route(route, raw_body)
             return JSONResponse(reply, status)
         received = time.monotonic()
         try:
-            parsed = await self._parse(route, raw_body)
+            parsed = await self._parse(route, raw_body, request_id)
         except OpenAIError as exc:
             self._count(route, exc.status)
             return JSONResponse(exc.body(), exc.status)
@@ -422,16 +422,16 @@ class RouterService:
         return {"router": {"replica": self.replica_id, "inflight": self.inflight}, "engines": self.pool.snapshot()}
 
     # ------------------------------------------------------------------ internals
-    async def _parse(self, route: Route, raw: bytes) -> ParsedRequest:
+    async def _parse(self, route: Route, raw: bytes, header_id: str | None = None) -> ParsedRequest:
         """Parse on the event loop when it is cheap; a large body (tokenizing a long prompt, a
         chat template over long messages), a long conversation or a client's own template in a
         worker thread, so one request never stalls every stream of this replica."""
         if len(raw) > OFFLOAD_BYTES:
-            return await asyncio.to_thread(lambda: parse_request(route, decode_json(raw), self.ctx))
+            return await asyncio.to_thread(lambda: parse_request(route, decode_json(raw), self.ctx, header_id))
         body = decode_json(raw)  # at most OFFLOAD_BYTES: C-speed, microseconds
         if self._heavy(route, body):
-            return await asyncio.to_thread(parse_request, route, body, self.ctx)
-        return parse_request(route, body, self.ctx)
+            return await asyncio.to_thread(parse_request, route, body, self.ctx, header_id)
+        return parse_request(route, body, self.ctx, header_id)
 
     async def _parse_body(self, route: Route, body: dict[str, Any], size: int | None) -> ParsedRequest:
         """The handle API's twin of ``_parse``: ``size`` is the body's size as JSON (None: unknown,

@@ -443,7 +443,7 @@ def handle_calls(app: App) -> list[str]:
 
 
 def engine_calls(app: App) -> list[dict[str, Any]]:
-    """Each engine request as it arrives: the engine, and its prompt logprobs setting."""
+    """Each engine request as it arrives: the engine, its id, and its prompt logprobs setting."""
     calls: list[dict[str, Any]] = []
     for name, engine in app.engines.items():
         real = engine.runner.generate
@@ -453,6 +453,7 @@ def engine_calls(app: App) -> list[dict[str, Any]]:
             calls.append(
                 {
                     "engine": name,
+                    "request_id": request.request_id,
                     "prompt_logprobs": fields.get("prompt_logprobs"),
                     "skip_cache": fields.get("skip_reading_prefix_cache"),
                     "prompt": list(request.prompt_token_ids),
