@@ -120,7 +120,7 @@ class ModelContext:
         self.max_prompt_chars = self.max_model_len * _longest_token_chars(self.tokenizer)
 
     def accepts(self, model: str | None) -> bool:
-        return model is None or model == self.name or model in self.aliases
+        return not model or model == self.name or model in self.aliases  # none or "": any (as vLLM's server)
 
 
 @dataclass
@@ -844,6 +844,8 @@ def chat_prompt_text(request: Any, ctx: ModelContext, *, bounded: bool) -> str:
             raise bad_request(f"messages[{i}].role must be a string", param=f"messages.{i}.role")
         turn = {"role": role, "content": _text_content(content, i)}
         calls = field_of("tool_calls")
+        if isinstance(calls, Iterator):  # vLLM's /tokenize model leaves it a lazy pydantic iterator
+            calls = list(calls)
         if calls and role == "assistant":
             turn["tool_calls"] = template_tool_calls(calls, i)
         elif calls:
@@ -867,6 +869,8 @@ def chat_prompt_text(request: Any, ctx: ModelContext, *, bounded: bool) -> str:
     if request.chat_template is not None:  # trusted by the operator (checked above)
         kwargs["chat_template"] = request.chat_template
     client_template = kwargs.get("chat_template") is not None
+    if any(turn["role"] == "developer" for turn in conversation):
+        conversation = _developer_as_system(conversation, kwargs.get("chat_template") or ctx.tokenizer.chat_template)
     try:
         with _time_bound(ctx.client_template_timeout_s if client_template else None):
             text = ctx.tokenizer.apply_chat_template(
@@ -888,6 +892,26 @@ def chat_prompt_text(request: Any, ctx: ModelContext, *, bounded: bool) -> str:
     if bounded:
         _check_text_length(text, "messages", ctx)
     return text
+
+
+DEVELOPER_ROLE = [
+    f"vllm.renderers.hf.{name}"
+    for name in ("_detect_developer_role_support", "_convert_developer_to_system", "_consolidate_system_messages")
+]
+
+
+def _developer_as_system(conversation: list[dict[str, Any]], template: Any) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` role (what newer clients send instead of ``system``) as vLLM's
+    renderer passes it: unchanged to a template that names the role, else as ``system``, the
+    system turns merged into one at the start (templates that take one system turn first). With
+    vLLM's own helpers, so the prompt is the one vLLM's server renders."""
+    if not isinstance(template, str) or not unchanged(DEVELOPER_ROLE, logger, "developer turns rendered as system turns"):
+        return conversation
+    from vllm.renderers import hf
+
+    if hf._detect_developer_role_support(template):
+        return conversation
+    return hf._consolidate_system_messages(hf._convert_developer_to_system(conversation))
 
 
 class TemplateTimeout(Exception):

@@ -56,6 +56,8 @@ OFFLOAD_MESSAGES = 64
 # Completion requests with more prompts than this are tokenized in a worker thread whatever their
 # size (each prompt is a tokenizer call and a sampling parameters' build and check).
 MANY_PROMPTS = 8
+# A /tokenize reply with more ids than this is encoded in a worker thread (about 10 ms of JSON).
+LARGE_REPLY_TOKENS = 16 * 1024
 PUBLIC_ENGINE_FIELDS = frozenset(
     {
         "role",
@@ -282,6 +284,8 @@ class RouterService:
         one of vLLM's /tokenize and /detokenize); ``request_id``: its ``X-Request-Id`` header."""
         if route == "tokenize" or route == "detokenize":
             status, reply = await self.tokenizer_route(route, raw_body)
+            if reply.get("count", 0) > LARGE_REPLY_TOKENS or len(reply.get("prompt", "")) > OFFLOAD_BYTES:
+                return await asyncio.to_thread(JSONResponse, reply, status)  # encoded off the event loop too
             return JSONResponse(reply, status)
         received = time.monotonic()
         try:
@@ -381,6 +385,7 @@ class RouterService:
         """``/tokenize`` or ``/detokenize`` (router/tokenization.py): the status and the body.
         ``body`` is the request's raw bytes (HTTP) or its object (the handle API); no engine is
         called. Off the event loop where ``_parse`` would take a completion off it."""
+        limit = self.config.router.http.max_body_bytes
         try:
             if isinstance(body, bytes):
                 size = len(body)
@@ -389,9 +394,14 @@ class RouterService:
             else:
                 size = check_strings(body)
             if isinstance(body, bytes) or size is None or size > OFFLOAD_BYTES or self._heavy("chat", body):
-                reply = await asyncio.to_thread(lambda: answer(route, decode_json(body) if isinstance(body, bytes) else body, self.ctx))
+                raw = body
+
+                def work() -> dict[str, Any]:
+                    return answer(route, decode_json(raw) if isinstance(raw, bytes) else raw, self.ctx, limit)
+
+                reply = await asyncio.to_thread(work)
             else:
-                reply = answer(route, body, self.ctx)
+                reply = answer(route, body, self.ctx, limit)
             status = 200
         except OpenAIError as exc:
             status, reply = exc.status, exc.body()

@@ -214,7 +214,7 @@ class RequiredCallsStream:
 
 def template_tools(request: Any) -> list[dict[str, Any]] | None:
     """The tools as chat templates read them (vLLM's server passes the same dicts)."""
-    return [tool.model_dump() for tool in request.tools] if request.tools else None
+    return None if request.tools is None else [tool.model_dump() for tool in request.tools]  # [] stays [] (templates test `is none`)
 
 
 def template_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:

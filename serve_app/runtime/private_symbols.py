@@ -139,6 +139,15 @@ _ENTRIES: tuple[Symbol, ...] = (
         params=("(self, token_id, context_token_ids)",),
         source_has=(("LogprobsProcessor._verify_tokens", "self._correct_decoded_token("),),
     ),
+    # router/parsing.py: a "developer" turn, for a template that does not know the role
+    *(
+        Symbol("vllm.renderers.hf", name, "vllm", READ, "serve_app/router/parsing.py", BOTH, params=(params,))
+        for name, params in (
+            ("_detect_developer_role_support", "(chat_template)"),
+            ("_convert_developer_to_system", "(conversation)"),
+            ("_consolidate_system_messages", "(conversation)"),
+        )
+    ),
     # vllm_plugins/spin.py
     Symbol(
         _SHM,

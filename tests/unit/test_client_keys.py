@@ -139,3 +139,47 @@ def test_a_refusal_compares_the_presented_key_with_every_key():
         assert not keys.admit("Bearer " + "z" * 20)
         assert compare.call_count == 6
     assert ClientKeys(["", ""]).required is False and ClientKeys(["", ""]).admit(None)
+
+
+# Python's own finalizer calls the wrapper's async __del__ too when the test drops the replica.
+@pytest.mark.filterwarnings("ignore:coroutine .*__del__' was never awaited:RuntimeWarning")
+def test_over_serves_proxy_the_ingress_routes_ask_for_a_key_too(tiny_tokenizer):
+    """The Router deployment's own routes (Serve's proxy in front), called as Serve calls them."""
+    from starlette.requests import Request
+
+    from serve_app.router.deployment import Router
+
+    def request(path: str, method: str, authorization: str | None) -> Request:
+        headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+
+        sent = []
+
+        async def receive() -> dict[str, Any]:
+            if sent:  # the body once, then a client that stays
+                await asyncio.Event().wait()
+            sent.append(True)
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        return Request({"type": "http", "method": method, "path": path, "headers": headers, "query_string": b""}, receive)
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        replica = object.__new__(Router.func_or_class)  # the class Serve instantiates
+        replica.service = app.service
+        routes = {
+            "completions": ("/v1/completions", "POST"),
+            "chat_completions": ("/v1/chat/completions", "POST"),
+            "tokenize_route": ("/tokenize", "POST"),
+            "detokenize_route": ("/detokenize", "POST"),
+            "models": ("/v1/models", "GET"),
+            "engines": ("/pd/engines", "GET"),
+        }
+        for name, (path, method) in routes.items():
+            for authorization in (None, "Bearer nope", f"Bearer {OPERATOR}" if name != "engines" else "Bearer nope"):
+                refused = await getattr(replica, name)(request(path, method, authorization))
+                assert refused.status_code == 401, name
+        assert (await replica.models(request("/v1/models", "GET", "Bearer token-abc123")))["data"][0]["id"] == "tiny-llama"
+        assert "engines" in await replica.engines(request("/pd/engines", "GET", f"Bearer {OPERATOR}"))
+        served = await replica.tokenize_route(request("/tokenize", "POST", "Bearer token-abc123"))
+        assert served.status_code == 400  # admitted: the empty body's own error
+
+    run(body, tiny_tokenizer, api_keys=KEYS, operator_token=OPERATOR)

@@ -337,3 +337,29 @@ def test_retrieval_documents_reach_the_chat_template_as_on_vllms_server(tiny_tok
     online = vllm_renderer.online_renderer(256, trust_request_chat_template=trusted)
     assert ids == asyncio.run(vllm_renderer.chat_prompt_ids(online, body))
     assert ("[Mill] The mill stood by the river." in tiny_tokenizer.decode(ids)) is trusted
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TURN_CALL = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+
+
+@pytest.mark.parametrize(
+    "messages,extra",
+    [
+        ([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}], {}),  # as a system turn
+        ([{"role": "user", "content": "Hi"}, {"role": "developer", "content": "Be brief."}], {}),  # moved first
+        ([{"role": "system", "content": "A."}, {"role": "developer", "content": "B."}, {"role": "user", "content": "Hi"}], {}),
+        ([{"role": "user", "content": "Hi"}, TURN_CALL, {"role": "tool", "content": "x", "tool_call_id": "c1"}], {}),
+    ],
+)
+def test_a_chat_prompt_is_the_one_vllms_renderer_makes(tiny_tokenizer, messages, extra):
+    """Roles, tool-call turns and empty tools as vLLM's server renders them."""
+    pytest.importorskip("vllm.renderers.online_renderer", reason="vLLM 0.23 builds its renderer over an engine client")
+    import asyncio
+
+    from tests.support import vllm_renderer
+
+    body = {"messages": messages, "max_tokens": 4, **extra}
+    ctx = ModelContext(name="m", aliases=frozenset(), max_model_len=256, vocab_size=1024, tokenizer=tiny_tokenizer)
+    ours = parse_request("chat", body, ctx).prompt_token_ids
+    assert ours == asyncio.run(vllm_renderer.chat_prompt_ids(vllm_renderer.online_renderer(256), body))

@@ -31,6 +31,10 @@ CHAT = [
     {"role": "assistant", "content": "Tout droit."},
     {"role": "user", "content": [{"type": "text", "text": "Et après"}, {"type": "text", "text": "?"}]},
 ]
+TOOL_TURNS = [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},  # noqa: E501
+    {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+]
 TOOL = {"type": "function", "function": {"name": "weather", "description": "The weather", "parameters": {"type": "object"}}}
 
 TOKENIZE = [
@@ -45,6 +49,9 @@ TOKENIZE = [
     {"messages": CHAT[:2], "add_special_tokens": True},
     {"messages": CHAT[:2], "tools": [TOOL]},
     {"messages": CHAT[:2], "chat_template_kwargs": {"enable_thinking": False}},
+    {"messages": CHAT[:2], "tools": []},
+    {"messages": [{"role": "developer", "content": "Be brief."}, *CHAT[1:]], "model": ""},  # "" is any model, as there
+    {"messages": [CHAT[1], *TOOL_TURNS]},  # an agent's history: a call (content null) and its result
 ]
 DETOKENIZE = [
     {"tokens": [1, 766, 428, 304]},
@@ -141,6 +148,7 @@ REFUSED = [
     ("/detokenize", json.dumps({"tokens": [1, -1]}), 400, "tokens.1"),
     ("/detokenize", json.dumps({"tokens": [1, 2**63]}), 400, "tokens.1"),
     ("/detokenize", json.dumps({"tokens": [1, 5, 999999]}), 400, "tokens"),
+    ("/detokenize", json.dumps({"tokens": [1] * (MAX_MODEL_LEN + 1)}), 400, "tokens"),  # more than a context
     ("/detokenize", json.dumps({"tokens": "1 2"}), 400, "tokens"),
     ("/detokenize", json.dumps({"tokens": [1], "model": "no-such-model"}), 404, "model"),
 ]
@@ -183,11 +191,17 @@ def test_a_client_template_is_rendered_only_when_the_operator_trusts_clients(tin
         text = "[system] Answer briefly.\n[user] Où est la gare ? 東京\n"
         assert response.json()["tokens"] == tiny_tokenizer.encode(text, add_special_tokens=False)
 
+        # A template that renders more than a body can hold is refused, where a completion's
+        # would be refused for its length: counting it would hold a worker thread for a minute.
+        amplified = {"messages": CHAT[:1], "chat_template": "{% for i in range(300) %}{{ 'a b ' * 5000 }}{% endfor %}"}
+        refused = await client.post("/tokenize", json=amplified)
+        assert refused.status_code == 400 and "tokenizes at most" in refused.json()["error"]["message"], refused.text
+
     run(body, tiny_tokenizer, trust_request_chat_template=True)
 
 
 def test_large_bodies_are_answered_off_the_event_loop(tiny_tokenizer):
-    """A long prompt's tokenizing (or a long token list's decoding) must not stall the replica's
+    """A long prompt's tokenizing, and its long reply's encoding, must not stall the replica's
     streams: past the same size as a completion's, the work goes to a worker thread."""
     big = {"prompt": "the river " * (service_module.OFFLOAD_BYTES // 8)}
 
@@ -196,18 +210,17 @@ def test_large_bodies_are_answered_off_the_event_loop(tiny_tokenizer):
         real = asyncio.to_thread
 
         async def counting(fn, *args, **kwargs):
-            calls.append(fn)
+            calls.append(getattr(fn, "__name__", fn))
             return await real(fn, *args, **kwargs)
 
         with mock.patch.object(service_module.asyncio, "to_thread", counting):
             assert (await client.post("/tokenize", json={"prompt": "short"})).status_code == 200
+            assert (await client.post("/detokenize", json={"tokens": [i % 500 for i in range(MAX_MODEL_LEN)]})).status_code == 200
             assert calls == []
             response = await client.post("/tokenize", json=big)
-            assert response.status_code == 200 and response.json()["count"] > MAX_MODEL_LEN
-            ids = response.json()["tokens"]
-            assert (await client.post("/detokenize", json={"tokens": ids})).json()["prompt"].endswith("the river ")
-            assert len(calls) == 2
+            assert response.status_code == 200 and response.json()["count"] > service_module.LARGE_REPLY_TOKENS
+            assert calls == ["work", "JSONResponse"]  # tokenized, then encoded, in worker threads
             status, _ = await app.service.tokenizer_route("tokenize", big)  # the handle API: the same bound
-            assert status == 200 and len(calls) == 3
+            assert status == 200 and calls[2:] == ["work"]
 
     run(body, tiny_tokenizer)
