@@ -356,6 +356,41 @@ def run(coro_fn: Callable[[App], Awaitable[Any]], app_args: dict[str, Any], toke
     return asyncio.run(main())
 
 
+def router_args(**router: Any) -> dict[str, Any]:
+    """``MOCK_ARGS`` with ``router`` merged into its router section."""
+    out = copy.deepcopy(MOCK_ARGS)
+    out["router"] = {**out["router"], **router}
+    return out
+
+
+def run_http(
+    body: Callable[[App, Any], Awaitable[None]],
+    tokenizer: Any,
+    metrics: RouterMetrics | None = None,
+    environ: dict[str, str] | None = None,
+    **router: Any,
+) -> None:
+    """``await body(app, client)``: ``client`` an httpx client of the router's own HTTP app
+    (router/direct_http.py) over the in-process app of ``router_args(**router)``, started with
+    ``environ`` in its environment (60 s at most); then the idle check."""
+    import httpx
+
+    from serve_app.router.direct_http import openai_app
+
+    async def main() -> None:
+        with mock.patch.dict("os.environ", environ or {}):
+            app = await App.start(router_args(**router), tokenizer, metrics)
+        try:
+            transport = httpx.ASGITransport(app=openai_app(app.service))
+            async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as client:
+                await asyncio.wait_for(body(app, client), 60)
+            await app.idle()
+        finally:
+            await app.stop()
+
+    asyncio.run(main())
+
+
 def expected(prompt: list[int], n: int) -> list[int]:
     """The mock engine's ``n`` greedy tokens after ``prompt``."""
     seq = list(prompt)

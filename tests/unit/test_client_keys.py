@@ -13,8 +13,8 @@ import pytest
 
 from serve_app.config.settings import load_config
 from serve_app.router.client_keys import ClientKeys
-from serve_app.router.direct_http import openai_app
 from tests.support.inprocess import MOCK_ARGS, App, engine_calls, recording_router_metrics
+from tests.support.inprocess import run_http as run
 
 KEYS = ["token-abc123", "second-key-of-two"]
 OPERATOR = "operator-token-0123456789"
@@ -27,23 +27,6 @@ GUARDED = [
     ("GET", "/v1/models", None),
     ("GET", "/pd/engines", None),
 ]
-
-
-def run(body, tokenizer: Any, metrics: Any = None, environ: dict[str, str] | None = None, **router: Any) -> None:
-    async def main() -> None:
-        args = copy.deepcopy(MOCK_ARGS)
-        args["router"] = {**args["router"], **router}
-        with mock.patch.dict("os.environ", environ or {}):
-            app = await App.start(args, tokenizer, metrics)
-        try:
-            transport = httpx.ASGITransport(app=openai_app(app.service))
-            async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as client:
-                await asyncio.wait_for(body(app, client), 60)
-            await app.idle()
-        finally:
-            await app.stop()
-
-    asyncio.run(main())
 
 
 async def call(client: httpx.AsyncClient, method: str, path: str, body: Any, authorization: str | None = None) -> httpx.Response:

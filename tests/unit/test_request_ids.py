@@ -4,33 +4,17 @@ response, as on vLLM's server (``cmpl-<id>``), and its engine requests, which st
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
-from typing import Any
 
 import httpx
 import pytest
 
-from serve_app.router.direct_http import openai_app
-from tests.support.inprocess import MOCK_ARGS, App, engine_calls
+from tests.support.inprocess import App, engine_calls
+from tests.support.inprocess import run_http as run
 
 PROMPT = [11, 12, 13]
 COMPLETION = {"prompt": PROMPT, "max_tokens": 3}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-
-
-def run(body, tokenizer: Any) -> None:
-    async def main() -> None:
-        app = await App.start(copy.deepcopy(MOCK_ARGS), tokenizer)
-        try:
-            transport = httpx.ASGITransport(app=openai_app(app.service))
-            async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as client:
-                await asyncio.wait_for(body(app, client), 60)
-            await app.idle()
-        finally:
-            await app.stop()
-
-    asyncio.run(main())
 
 
 def stream_ids(response: httpx.Response) -> set[str]:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -23,34 +22,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from serve_app.router.direct_http import openai_app, read_body
+from serve_app.router.direct_http import read_body
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError
 from serve_app.runtime.http_server import InReplicaServer, listening_socket
-from tests.support.inprocess import MOCK_ARGS, App, recording_router_metrics
+from tests.support.inprocess import App, recording_router_metrics
+from tests.support.inprocess import router_args as app_args
+from tests.support.inprocess import run_http as run
 
 BIG = 2**64 + 5
 PROMPT = [11, 12, 13]
 OPERATOR_TOKEN = "operator-token-0123456789"
 
 
-def app_args(**router: Any) -> dict[str, Any]:
-    out = copy.deepcopy(MOCK_ARGS)
-    out["router"] = {**out["router"], **router}
-    return out
-
-
-def run(body: Callable[[App, httpx.AsyncClient], Awaitable[None]], tokenizer: Any, metrics: Any = None, **router: Any) -> None:
-    async def main() -> None:
-        app = await App.start(app_args(**router), tokenizer, metrics)
-        try:
-            transport = httpx.ASGITransport(app=openai_app(app.service))
-            async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as client:
-                await asyncio.wait_for(body(app, client), 60)
-            await app.idle()
-        finally:
-            await app.stop()
-
-    asyncio.run(main())
 
 
 def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:

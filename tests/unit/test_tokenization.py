@@ -9,7 +9,6 @@ also be those a completion of the same prompt sends to its engine.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 from collections import Counter
 from typing import Any
@@ -19,9 +18,9 @@ import httpx
 import pytest
 
 from serve_app.router import service as service_module
-from serve_app.router.direct_http import openai_app
 from tests.support import vllm_renderer
 from tests.support.inprocess import MOCK_ARGS, App, engine_calls, recording_router_metrics
+from tests.support.inprocess import run_http as run
 
 MODEL = MOCK_ARGS["served_model_name"]
 MAX_MODEL_LEN = MOCK_ARGS["max_model_len"]
@@ -76,22 +75,6 @@ async def vllm_answer(handler: Any, path: str, body: dict[str, Any]) -> dict[str
         return (await handler.create_detokenize(DetokenizeRequest(**body), raw)).model_dump()
     model = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
     return (await handler.create_tokenize(model(**body), raw)).model_dump()
-
-
-def run(body, tokenizer: Any, metrics: Any = None, **router: Any) -> None:
-    async def main() -> None:
-        args = copy.deepcopy(MOCK_ARGS)
-        args["router"] = {**args["router"], **router}
-        app = await App.start(args, tokenizer, metrics)
-        try:
-            transport = httpx.ASGITransport(app=openai_app(app.service))
-            async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as client:
-                await asyncio.wait_for(body(app, client), 60)
-            await app.idle()
-        finally:
-            await app.stop()
-
-    asyncio.run(main())
 
 
 def test_every_answer_is_vllms_own_over_http_and_the_handle_api(tiny_tokenizer, vllm_tokenization):
