@@ -2,14 +2,14 @@
 engine on each node, KV pushed across a veth pair, and node 2 lost under load.
 
 The test makes the two nodes itself, in namespaces of its own (``unshare``: PID, network and
-mount; nothing outside them is touched): node 1 is the test's network namespace (198.18.0.1,
-the Ray head), node 2 a named network namespace inside it (198.18.0.2, a Ray worker node), joined
-by a veth pair in the benchmarking range 198.18.0.0/15. tests/support/two_nodes_driver.py
-then deploys the app and checks: greedy output token-exact against colocated; KV transfers that
-really went to node 2 (prefill's transfer records name node 2's side channel); after node 2's
-raylet is killed under load every in-flight request ends, completed token-exact on node 1's
-engines or with a clear error; the router's counters return to zero. Everything started ends
-with the PID namespace.
+mount; nothing outside them is touched, not even the host's /run/netns): node 1 is the test's
+network namespace (198.18.0.1, the Ray head), node 2 a named network namespace inside it
+(198.18.0.2, a Ray worker node), joined by a veth pair in the benchmarking range 198.18.0.0/15.
+tests/support/two_nodes_driver.py then deploys the app and checks: greedy output token-exact
+against colocated; KV transfers that really went to node 2 (prefill's transfer records name node
+2's side channel); after node 2's raylet is killed under load every in-flight request ends,
+completed token-exact on node 1's engines or with a clear error; the router's counters return to
+zero. Everything started ends with the PID namespace.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ set -u
 cd "$REPO"
 say() { echo "[two-nodes] $*"; }
 ip link set lo up
+{ PRIVATE_NETNS_DIR; } || { say "cannot mount a private /run/netns"; exit 3; }
 ip netns add pdnode2 || { say "cannot create a network namespace"; exit 3; }
 trap 'ip netns delete pdnode2 2>/dev/null' EXIT
 ip link add pdv1 type veth peer name pdv2
@@ -49,11 +50,11 @@ if [ $rc -ne 0 ]; then
   for f in "$WORK"/n1/session_latest/logs/serve/*.log; do echo "== $f"; tail -n 30 "$f"; done
 fi
 exit $rc
-"""
+""".replace("PRIVATE_NETNS_DIR", namespaces.PRIVATE_NETNS_DIR)
 
 
 def test_two_nodes_token_exact_kv_across_nodes_and_a_node_lost_under_load():
-    reason = namespaces.unavailable("ip netns add pdprobe && ip netns delete pdprobe")
+    reason = namespaces.unavailable(f"{namespaces.PRIVATE_NETNS_DIR} && ip netns add pdprobe && ip netns delete pdprobe")
     if reason:
         pytest.skip(reason)
     result = namespaces.run_script(SCRIPT, prefix="pd2n-", timeout_s=900)

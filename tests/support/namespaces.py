@@ -15,6 +15,12 @@ from tests.support.cluster import REPO_ROOT
 
 UNSHARE = ["unshare", "--pid", "--fork", "--net", "--mount-proc"]
 
+#: Bash that gives the script a ``/run/netns`` of its own (a tmpfs in its private mount namespace),
+#: so ``ip netns add`` names nothing on the host: a run killed before its cleanup (SIGKILL, a
+#: session's end) leaves no stale ``/run/netns/<name>`` to fail the next run, and two runs at once
+#: do not collide.
+PRIVATE_NETNS_DIR = "mkdir -p /run/netns && mount -t tmpfs pd-netns /run/netns"
+
 
 def unavailable(probe: str = "true") -> str | None:
     """Why this machine cannot run a script in such namespaces (None: it can); ``probe`` is run
