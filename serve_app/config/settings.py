@@ -498,9 +498,27 @@ class AppConfig(_Strict):
                         f"prefill's and decode's {key} differ ({prefill} and {decode}): prefill writes its KV blocks "
                         f"into decode's as they are; set {key} in engine_kwargs, for both roles"
                     )
+        if self.has_prefill():
+            policies = {role: self.scheduling_policy(role) for role in ("prefill", "decode")}
+            if policies["prefill"] != policies["decode"]:
+                raise ValueError(
+                    f"prefill's and decode's scheduling_policy differ ({policies['prefill']} and {policies['decode']}): "
+                    "a request's priority orders both engines' queues; set scheduling_policy in engine_kwargs, for both roles"
+                )
         if self.backend == "cpu":
             self._check_cpu_tensor_parallel()
         return self
+
+    def scheduling_policy(self, role: Literal["prefill", "decode"]) -> str:
+        """The role's engines' vLLM ``scheduling_policy`` (``fcfs`` unless set)."""
+        group: EngineGroupConfig = getattr(self, role)
+        return str({**self.engine_kwargs, **group.engine_kwargs}.get("scheduling_policy") or "fcfs")
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """Whether a request's ``priority`` orders the engines' queues (vLLM's ``scheduling_policy:
+        priority`` on every role the app runs; the validator above keeps the roles alike)."""
+        return self.scheduling_policy("decode") == "priority"
 
     def _check_cpu_tensor_parallel(self) -> None:
         """vLLM's CPU engine runs one worker per tensor-parallel rank, each bound to the cores

@@ -122,7 +122,7 @@ class VLLMRunner:
         self.requests.put(request.request_id, record)
         finish = self._load.finish_signals[request.request_id] = FinishSignal()
         prompt = tokens_input(request.prompt_token_ids, cache_salt=request.cache_salt)
-        outputs = self.llm.generate(prompt, params, request.request_id)
+        outputs = self.llm.generate(prompt, params, request.request_id, priority=request.priority)
         try:
             # Closing the engine's stream (however this one ends) aborts the request in vLLM.
             async with aclosing(outputs):

@@ -162,11 +162,17 @@ class AttemptExecutor:
         self.kv_ready_checks = frozenset(kv_ready_checks)
 
     async def run(
-        self, plan: AttemptPlan, params_template: Any, request_deadline: float | None = None, cache_salt: str | None = None
+        self,
+        plan: AttemptPlan,
+        params_template: Any,
+        request_deadline: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[AttemptEvent]:
         """The attempt's events, ending with its last token or an ``AttemptFailed``. Past
         ``request_deadline`` (monotonic) it fails for good: the client's whole request is over.
-        ``cache_salt`` (the client's) goes to both engines and into the prefix keys."""
+        ``cache_salt`` (the client's) goes to both engines and into the prefix keys, ``priority``
+        to both engines."""
         # The prompt's prefix blocks, once for both choices (router.balancer: prefix).
         keys = self.pool.prefix_keys(plan.prompt_token_ids, cache_salt)
         decode = await self.pick("decode", plan.avoid, keys, len(plan.prompt_token_ids) + plan.max_tokens)
@@ -184,11 +190,11 @@ class AttemptExecutor:
         if plan.disaggregated:
             # The decode replica adds the URL of its own metaserver relay.
             kv_params = {"do_remote_prefill": True, "do_remote_decode": False, "request_id": plan.attempt_id}
-        request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, encoded, kv_params, cache_salt)
+        request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, encoded, kv_params, cache_salt, priority)
         reserved = len(plan.prompt_token_ids) + plan.max_tokens
         with self.pool.lease(decode.name, reserved):
             stream = self.pool.open_stream(decode.name, request)
-            attempt = AttemptRun(self, plan, decode.name, stream, request_deadline, keys, cache_salt)
+            attempt = AttemptRun(self, plan, decode.name, stream, request_deadline, keys, cache_salt, priority)
             try:
                 with self.pool.watch(decode.name, attempt.decode_leaving):
                     async for event in attempt.events():
@@ -229,10 +235,12 @@ class AttemptRun:
         request_deadline: float | None = None,
         prefix_keys: list[int] | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.executor = executor
         self.prefix_keys = prefix_keys
         self.cache_salt = cache_salt
+        self.priority = priority
         self.request_deadline = request_deadline
         self.plan = plan
         self.decode = decode
@@ -434,7 +442,9 @@ class AttemptRun:
         self.prefill_started = time.monotonic()
         self._advance(PhaseEvent.KV_READY)
         params = {k: v for k, v in kv_params.items() if k in PREFILL_KV_KEYS}
-        request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params, self.cache_salt)
+        request = EngineRequest(
+            self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params, self.cache_salt, self.priority
+        )
         self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))
         response = self.prefill_call = self.executor.pool.start_prefill(prefill.name, request)
         logger.log(

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from serve_app.router.client_keys import unauthorized
 from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body
+from serve_app.router.parsing import ClientHeaders
 from serve_app.router.service import RouterService
 from serve_app.runtime.http_server import InReplicaServer, listening_socket
 
@@ -75,7 +76,7 @@ async def openai_call(service: RouterService, route: Any, request: Request) -> R
     except OpenAIError as exc:
         service.refused(route, exc.status)
         return JSONResponse(exc.body(), exc.status)
-    return await until_client_leaves(request, service.http(route, body, request.headers.get("x-request-id")))
+    return await until_client_leaves(request, service.http(route, body, ClientHeaders.of(request.headers)))
 
 
 async def until_client_leaves(request: Request, work: Coroutine[Any, Any, Response]) -> Response:

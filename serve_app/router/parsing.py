@@ -19,7 +19,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -82,6 +82,23 @@ MAX_NESTING = 64  # deeper than any OpenAI request; a bound so checks never recu
 STRUCTURAL_TAG_WRAPPERS = 16  # the levels vLLM allows a structural tag beyond a schema's
 # Numbers the engines' msgpack encoding carries (vLLM's own engine protocol has the same range).
 INT_RANGE = (-(2**63), 2**64 - 1)
+# vLLM 0.32's header for a request's priority, which a gateway in front sets; it comes before the
+# body's ``priority``. A request's priority is a signed 64-bit number in the engines' protocol.
+PRIORITY_HEADER = "x-vllm-priority"
+PRIORITY_TEXT = re.compile(r"[+-]?[0-9]{1,19}")
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class ClientHeaders:
+    """What a request's HTTP headers say about it, besides its API key (the handle API has none)."""
+
+    request_id: str | None = None  # X-Request-Id
+    priority: str | None = None  # X-Vllm-Priority
+
+    @classmethod
+    def of(cls, headers: Mapping[str, str]) -> ClientHeaders:
+        return cls(headers.get("x-request-id"), headers.get(PRIORITY_HEADER))
 
 
 @dataclass
@@ -94,6 +111,8 @@ class ModelContext:
     vocab_size: int
     tokenizer: Any
     trust_request_chat_template: bool = False
+    # The engines order their queues by each request's priority (vLLM's scheduling_policy).
+    priority_scheduling: bool = False
     client_template_timeout_s: float = CLIENT_TEMPLATE_TIMEOUT_S
     # The model's sampling defaults for what a request leaves out (router/sampling_defaults.py).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -145,6 +164,9 @@ class ParsedRequest:
     # vLLM's cache_salt (validated by its protocol: a non-empty string): every engine request of
     # every attempt carries it, and the router's prefix keys start from it.
     cache_salt: str | None = None
+    # vLLM's priority (lower is served earlier), for both engines of every attempt; 0 unless the
+    # engines use priority scheduling (``_priority``).
+    priority: int = 0
     # A chat request's tool_choice that makes the output tool calls (router/tools.py).
     tool_choice: ToolChoice | None = None
     # A reasoning model's chat reply: the thinking is split from it (router/output_parsers.py).
@@ -259,9 +281,10 @@ def route_of(body: Any) -> Route:
     return "chat" if isinstance(body, dict) and "messages" in body else "completions"
 
 
-def parse_request(route: Route, body: Any, ctx: ModelContext, header_id: str | None = None) -> ParsedRequest:
-    """``header_id``: the HTTP request's ``X-Request-Id``, which names the response (as on vLLM's
-    server, before the body's ``request_id``)."""
+def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHeaders | None = None) -> ParsedRequest:
+    """``headers``: the HTTP request's ``X-Request-Id``, which names the response, and
+    ``X-Vllm-Priority`` (each, as on vLLM's server, before the body's field)."""
+    headers = headers or ClientHeaders()
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
     _refuse_reserved(body)
@@ -276,6 +299,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, header_id: str | N
     model = checked_model(body, ctx)
     request = _validate(route, body)
     _reject_unsupported(route, request, ctx)
+    priority = _priority(headers.priority, request, ctx)
     parser_kwargs = template_kwargs(request) if route == "chat" else {}
     tool_choice = tool_choice_of(request, ctx.tool_parser, ctx.parser_tokenizer, parser_kwargs) if route == "chat" else None
     if tool_choice is not None and not isinstance(tool_choice, AutoCalls):
@@ -337,7 +361,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, header_id: str | N
         samples.append((prompt_token_ids, params))
     first_params = samples[0][1]
     prefix = "chatcmpl" if route == "chat" else "cmpl"
-    client_id = _client_request_id(header_id, request)
+    client_id = _client_request_id(headers.request_id, request)
     response_id = f"{prefix}-{client_id or uuid.uuid4().hex}"
     stream_options = request.stream_options
     first = ParsedRequest(
@@ -358,6 +382,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, header_id: str | N
         logprobs=None if hide_tokens else logprobs,
         return_token_ids=bool(request.return_token_ids) and not hide_tokens,
         cache_salt=request.cache_salt,
+        priority=priority,
         tool_choice=tool_choice,
         reasoning=reasoning,
         n=n,
@@ -449,6 +474,28 @@ def _client_request_id(header_id: str | None, request: Any) -> str | None:
     if not isinstance(client_id, str) or not CLIENT_REQUEST_ID.fullmatch(client_id):
         raise bad_request(f"{where} must be 1 to 128 characters of A-Z, a-z, 0-9 and ._:@+=/-", param="request_id")
     return client_id
+
+
+def _priority(header: str | None, request: Any, ctx: ModelContext) -> int:
+    """The request's priority: ``X-Vllm-Priority`` (a gateway's), else the body's ``priority``.
+    Where the engines schedule first come, first served, anything but 0 is refused: vLLM's server
+    would ignore it, and a client relying on it must hear that it is not there."""
+    where = "priority"
+    priority = request.priority
+    if header is not None:
+        where = "X-Vllm-Priority"
+        if not PRIORITY_TEXT.fullmatch(header.strip()):
+            raise bad_request(f"X-Vllm-Priority must be an integer, got {header[:32]!r}", param="priority")
+        priority = int(header)
+    low, high = PRIORITY_RANGE
+    if not low <= priority <= high:
+        raise bad_request(f"{where} must be a signed 64-bit integer", param="priority")
+    if priority != 0 and not ctx.priority_scheduling:
+        raise bad_request(
+            f"{where} {priority} is not supported by this server: its engines serve requests first come, first served",
+            param="priority",
+        )
+    return priority
 
 
 def _nth_sample(params: Any, i: int) -> Any:
@@ -664,10 +711,8 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
         raise bad_request(f"n must be at least 1, got {request.n}", param="n")
     if request.use_beam_search:
         refuse("use_beam_search", "Beam search")
-    # vLLM's own fields the router would otherwise accept and drop: a client relying on one (a
-    # truncated prompt, a priority) must hear that it is not there.
-    if request.priority != 0:
-        refuse("priority", "priority (priority scheduling)")
+    # vLLM's own fields the router would otherwise accept and drop: a client relying on one must
+    # hear that it is not there.
     if getattr(request, "logprob_token_ids", None) is not None:  # vLLM 0.23 (Ascend) has no such field
         refuse("logprob_token_ids", "logprob_token_ids")
     if not request.spaces_between_special_tokens:  # the router's detokenizer always spaces them

@@ -35,7 +35,16 @@ from serve_app.router.framing import SSE_DONE, sse
 from serve_app.router.leak_audit import Discrepancy, LeakAudit
 from serve_app.router.membership import MEMBERSHIP, ReplicaInfo
 from serve_app.router.output_parsers import cached_tokenizer, load_parser
-from serve_app.router.parsing import ModelContext, ParsedRequest, Route, check_strings, decode_json, parse_request, route_of
+from serve_app.router.parsing import (
+    ClientHeaders,
+    ModelContext,
+    ParsedRequest,
+    Route,
+    check_strings,
+    decode_json,
+    parse_request,
+    route_of,
+)
 from serve_app.router.pool import EnginePool, PrefixRouting
 from serve_app.router.session import OFFLOAD_LOGPROB_ENTRIES, ResponseSession
 from serve_app.router.text import token_piece
@@ -193,6 +202,7 @@ class RouterService:
             vocab_size=vocab_size,
             tokenizer=tokenizer,
             trust_request_chat_template=config.router.trust_request_chat_template,
+            priority_scheduling=config.priority_scheduling,
             sampling_defaults=dict(sampling_defaults or {}),
             max_tokens_cap=max_tokens_cap,
             max_choices=config.router.max_choices,
@@ -279,9 +289,9 @@ class RouterService:
                 asyncio.get_running_loop().create_task(self.pool.client.close())
 
     # ------------------------------------------------------------------ HTTP
-    async def http(self, route: Route | TokenizerRoute, raw_body: bytes, request_id: str | None = None) -> Response:
+    async def http(self, route: Route | TokenizerRoute, raw_body: bytes, headers: ClientHeaders | None = None) -> Response:
         """A /v1/completions or /v1/chat/completions request, answered as the OpenAI API does (or
-        one of vLLM's /tokenize and /detokenize); ``request_id``: its ``X-Request-Id`` header."""
+        one of vLLM's /tokenize and /detokenize); ``headers``: what its headers say of it."""
         if route == "tokenize" or route == "detokenize":
             status, reply = await self.tokenizer_route(route, raw_body)
             if reply.get("count", 0) > LARGE_REPLY_TOKENS or len(reply.get("prompt", "")) > OFFLOAD_BYTES:
@@ -289,7 +299,7 @@ class RouterService:
             return JSONResponse(reply, status)
         received = time.monotonic()
         try:
-            parsed = await self._parse(route, raw_body, request_id)
+            parsed = await self._parse(route, raw_body, headers)
         except OpenAIError as exc:
             self._count(route, exc.status)
             return JSONResponse(exc.body(), exc.status)
@@ -432,16 +442,16 @@ class RouterService:
         return {"router": {"replica": self.replica_id, "inflight": self.inflight}, "engines": self.pool.snapshot()}
 
     # ------------------------------------------------------------------ internals
-    async def _parse(self, route: Route, raw: bytes, header_id: str | None = None) -> ParsedRequest:
+    async def _parse(self, route: Route, raw: bytes, headers: ClientHeaders | None = None) -> ParsedRequest:
         """Parse on the event loop when it is cheap; a large body (tokenizing a long prompt, a
         chat template over long messages), a long conversation or a client's own template in a
         worker thread, so one request never stalls every stream of this replica."""
         if len(raw) > OFFLOAD_BYTES:
-            return await asyncio.to_thread(lambda: parse_request(route, decode_json(raw), self.ctx, header_id))
+            return await asyncio.to_thread(lambda: parse_request(route, decode_json(raw), self.ctx, headers))
         body = decode_json(raw)  # at most OFFLOAD_BYTES: C-speed, microseconds
         if self._heavy(route, body):
-            return await asyncio.to_thread(parse_request, route, body, self.ctx, header_id)
-        return parse_request(route, body, self.ctx, header_id)
+            return await asyncio.to_thread(parse_request, route, body, self.ctx, headers)
+        return parse_request(route, body, self.ctx, headers)
 
     async def _parse_body(self, route: Route, body: dict[str, Any], size: int | None) -> ParsedRequest:
         """The handle API's twin of ``_parse``: ``size`` is the body's size as JSON (None: unknown,

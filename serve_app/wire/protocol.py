@@ -50,6 +50,8 @@ class EngineRequest:
     # The client's prefix-cache salt (vLLM's ``cache_salt``): the engine keys the prompt's cached
     # blocks with it, so only requests with the same salt share them.
     cache_salt: str | None = None
+    # vLLM's request priority (lower is served earlier), where the engines schedule by priority.
+    priority: int = 0
 
 
 @dataclass(frozen=True)

@@ -368,18 +368,19 @@ def run_http(
     tokenizer: Any,
     metrics: RouterMetrics | None = None,
     environ: dict[str, str] | None = None,
+    app_args: dict[str, Any] | None = None,
     **router: Any,
 ) -> None:
     """``await body(app, client)``: ``client`` an httpx client of the router's own HTTP app
-    (router/direct_http.py) over the in-process app of ``router_args(**router)``, started with
-    ``environ`` in its environment (60 s at most); then the idle check."""
+    (router/direct_http.py) over the in-process app of ``app_args`` (default: ``router_args(**router)``),
+    started with ``environ`` in its environment (60 s at most); then the idle check."""
     import httpx
 
     from serve_app.router.direct_http import openai_app
 
     async def main() -> None:
         with mock.patch.dict("os.environ", environ or {}):
-            app = await App.start(router_args(**router), tokenizer, metrics)
+            app = await App.start(app_args if app_args is not None else router_args(**router), tokenizer, metrics)
         try:
             transport = httpx.ASGITransport(app=openai_app(app.service))
             async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as client:
@@ -493,6 +494,7 @@ def engine_calls(app: App) -> list[dict[str, Any]]:
                     "skip_cache": fields.get("skip_reading_prefix_cache"),
                     "prompt": list(request.prompt_token_ids),
                     "kv": request.kv_transfer_params,
+                    "priority": request.priority,
                 }
             )
             async for delta in real(request):

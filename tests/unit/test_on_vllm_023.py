@@ -30,6 +30,7 @@ ROUTER_TESTS = [
     "tests/unit/test_prompt_logprobs.py",
     "tests/unit/test_tokenization.py",
     "tests/unit/test_request_ids.py",
+    "tests/unit/test_priority.py",
     "tests/unit/test_tools.py",
     "tests/unit/test_reasoning.py",
     "tests/unit/test_recompute.py",

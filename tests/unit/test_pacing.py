@@ -122,7 +122,7 @@ def test_vllm_streams_are_paced_only_from_their_first_output():
     from serve_app.engines.vllm_runner import VLLMRunner
 
     class FakeLLM:
-        async def generate(self, prompt, params, request_id):
+        async def generate(self, prompt, params, request_id, priority=0):
             if request_id != "running":
                 await asyncio.Event().wait()  # its KV never comes
             for i in range(10):

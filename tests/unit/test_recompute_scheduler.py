@@ -61,7 +61,7 @@ def offline(monkeypatch):
 # --- vLLM-style helpers ---------------------------------------------------------------------
 
 
-def create_scheduler(scheduler_cls: type[Scheduler], num_blocks: int) -> Scheduler:
+def create_scheduler(scheduler_cls: type[Scheduler], num_blocks: int, policy: str = "fcfs") -> Scheduler:
     """Like vLLM's ``create_scheduler``, but from the tiny model's config and with its real
     KV layout (2 layers, 2 KV heads of 32, float32) as one full-attention group."""
     model_config = ModelConfig(model=str(DEFAULT_MODEL_DIR), dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
@@ -74,6 +74,7 @@ def create_scheduler(scheduler_cls: type[Scheduler], num_blocks: int) -> Schedul
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
             async_scheduling=False,
+            policy=policy,
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
         device_config=DeviceConfig("cpu"),
@@ -100,7 +101,7 @@ def create_scheduler(scheduler_cls: type[Scheduler], num_blocks: int) -> Schedul
     )
 
 
-def create_requests(eos_token_id: int) -> dict[str, Request]:
+def create_requests(eos_token_id: int, priorities: dict[str, int] | None = None) -> dict[str, Request]:
     """Like vLLM's ``create_requests``: distinct prompts (no shared prefix), oldest first."""
     init_none_hash(sha256)
     block_hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
@@ -115,6 +116,7 @@ def create_requests(eos_token_id: int) -> dict[str, Request]:
             pooling_params=None,
             arrival_time=float(i),
             block_hasher=block_hasher,
+            priority=(priorities or {}).get(request_id, 0),
         )
     return requests
 
@@ -310,6 +312,31 @@ def test_victim_is_given_back_with_blocks_freed_at_once_and_others_untouched():
     assert not scheduler_output.finished_req_ids and not scheduler_output.preempted_req_ids
     assert set(outputs) == set(SURVIVORS)
     assert scheduler.num_given_back == 1
+
+
+def test_under_priority_scheduling_the_request_of_latest_priority_is_given_back():
+    """vLLM's priority policy picks the victim (the running request of the latest priority, not
+    the newest); the override changes only what becomes of it."""
+    scheduler = create_scheduler(RecomputeScheduler, NUM_BLOCKS, policy="priority")
+    requests = create_requests(scheduler.vllm_config.model_config.hf_config.eos_token_id, priorities={"r1": 5})
+    for request in requests.values():
+        scheduler.add_request(request)
+    for _ in range(PRESSURE_STEP):
+        step(scheduler)
+    assert num_free_blocks(scheduler) == 0 and requests["r0"].num_computed_tokens == BLOCK_SIZE
+
+    scheduler_output = scheduler.schedule()
+
+    assert requests["r1"].stop_reason == RECOMPUTED and scheduler.num_given_back == 1
+    assert sorted(running_ids(scheduler)) == ["r0", "r2"] and scheduler_output.finished_req_ids == {"r1"}
+    outputs = finish(scheduler, scheduler_output)
+    end = outputs["r1"]
+    assert end.new_token_ids == [] and end.stop_reason == RECOMPUTED and end.finish_reason == FinishReason.STOP
+    assert [len(outputs[rid].new_token_ids) for rid in ("r0", "r2")] == [1, 1]  # the others decode on
+    results = run_to_completion(scheduler)
+    left = MAX_TOKENS - PRESSURE_STEP - 1
+    assert {rid: len(tokens) for rid, (tokens, _) in results.items()} == {"r0": left, "r2": left}
+    assert_scheduler_empty(scheduler)
 
 
 def test_base_scheduler_preempts_the_same_victim_locally():

@@ -1,0 +1,74 @@
+"""vLLM's priority scheduling through pd-serve, on real engines (1P1D, both with
+``scheduling_policy: priority``).
+
+The decode engine runs one request at a time (``max_num_seqs: 1``) and prefills prompts of at
+most 32 tokens itself (``router.local_prefill_max_tokens``), so while a long request runs, the
+next ones wait in its queue whole: of two waiting requests, the later one, with the lower
+(earlier) priority, is served first. With the priority lost on its way (the router's or the
+engine runner's), the engine serves them in arrival order and the test fails. A longer prompt
+with a priority takes the P/D hand-off (its KV pushed by the prefill engine) as any other."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.support.cluster import deployed, inspect, sse_chunks, token_pattern, wait_idle
+
+pytestmark = pytest.mark.engine
+
+LOCAL_PREFILL = 32
+ARGS = {
+    "served_model_name": "tiny-llama",
+    "max_model_len": 2048,
+    "engine_kwargs": {"scheduling_policy": "priority", "kv_cache_memory_bytes": 64 << 20},
+    "prefill": {"num_replicas": 1, "num_cpus": 0.1},
+    "decode": {"num_replicas": 1, "num_cpus": 0.1, "engine_kwargs": {"max_num_seqs": 1}},
+    "router": {"mode": "disaggregated", "local_prefill_max_tokens": LOCAL_PREFILL, "num_cpus": 0.05},
+}
+
+
+@pytest.fixture(scope="module")
+def app(cluster):
+    with deployed(cluster, "prio", ARGS) as app:
+        yield app
+
+
+def complete(app, prompt: str | list[int], max_tokens: int, headers: dict[str, str] | None = None, **extra) -> tuple[float, dict]:
+    """(when it finished, the response)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+    response = requests.post(app.base_url + "/v1/completions", json=body, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    return time.monotonic(), response.json()
+
+
+def test_a_later_request_of_earlier_priority_is_served_first(app):
+    long_one = {"prompt": "The long one", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+    with ThreadPoolExecutor(2) as pool, requests.post(app.base_url + "/v1/completions", json=long_one, stream=True, timeout=120) as stream:
+        assert stream.status_code == 200, stream.text
+        chunks = sse_chunks(stream)
+        next(chunks)  # the engine's one running request, long enough to outlast the two queued behind it
+        late = pool.submit(complete, app, "Priority five, sent first", 8, priority=5)
+        time.sleep(0.5)  # queued well before the next
+        # The next as a gateway gives it (X-Vllm-Priority).
+        early = pool.submit(complete, app, "Priority minus five, sent second", 8, headers={"X-Vllm-Priority": "-5"})
+        assert not late.done() and not early.done()
+        sum(1 for _ in chunks)  # the long one goes on to its end
+        (late_done, late_reply), (early_done, early_reply) = late.result(), early.result()
+    assert late_reply["usage"]["completion_tokens"] == early_reply["usage"]["completion_tokens"] == 8
+    assert early_done < late_done, "the engine served the requests in arrival order, not by priority"
+    wait_idle(app)
+
+
+def test_a_prompt_with_a_priority_takes_the_hand_off(app):
+    prompt = token_pattern(4 * LOCAL_PREFILL, seed=11)
+    _, reply = complete(app, prompt, 8, headers={"X-Request-Id": "prio-pd"}, priority=-3)
+    assert reply["usage"]["completion_tokens"] == 8
+    (decode,) = inspect(app, "decode", None).values()
+    (attempt,) = [i for i in decode["requests"] if i.startswith("cmpl-prio-pd-")]
+    transfer = decode["transfers"][attempt]
+    assert transfer is not None and transfer["outcome"] == "done" and transfer["tokens_received"] > LOCAL_PREFILL, transfer
+    wait_idle(app)
