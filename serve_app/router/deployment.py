@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app.config.autoscaling import CLIENT_REQUESTS
 from serve_app.config.backends import engine_specs
 from serve_app.config.settings import load_config
-from serve_app.router.direct_http import authorized_operator, openai_call, refused_client, serve_openai
+from serve_app.router.direct_http import authorized_operator, openai_call, refused_client, serve_openai, told_details
 from serve_app.router.errors import error_body
 from serve_app.router.sampling_defaults import max_tokens_cap, model_sampling_defaults
 from serve_app.router.service import RouterService
@@ -163,8 +163,8 @@ class Router:
         return refused_client(self.service, "models", request) or self.service.models()
 
     @http_app.get("/health")
-    async def health(self) -> Response:
-        return await self.service.health()
+    async def health(self, request: Request) -> Response:
+        return await self.service.health(told_details(self.service, request))
 
     @http_app.get("/pd/engines")
     async def engines(self, request: Request) -> Any:

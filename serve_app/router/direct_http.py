@@ -124,6 +124,13 @@ def refused_client(service: RouterService, route: Any, request: Request, operato
     return unauthorized()
 
 
+def told_details(service: RouterService, request: Request) -> bool:
+    """Whether ``/health`` may say why the engines are down: to a caller with an API key or the
+    operator token (anyone, where no keys are set); a probe without one learns the status only."""
+    authorization = request.headers.get("authorization")
+    return service.client_keys.admit(authorization) or authorized_operator(service, authorization)
+
+
 def authorized_operator(service: RouterService, authorization: str | None) -> bool:
     """Whether the caller holds the operator token (``router.operator_token``); none is set: no one."""
     token = service.config.router.operator_token
@@ -147,7 +154,7 @@ def openai_app(service: RouterService) -> Starlette:
         return refused_client(service, "models", request) or JSONResponse(service.models())
 
     async def health(request: Request) -> Response:
-        return await service.health()
+        return await service.health(told_details(service, request))
 
     async def engines(request: Request) -> Response:
         refused = refused_client(service, "engines", request, operator_too=True)

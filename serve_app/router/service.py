@@ -335,13 +335,16 @@ class RouterService:
         card = ModelCard(id=self.ctx.name, root=self.config.model, owned_by="pd-serve", max_model_len=self.ctx.max_model_len)
         return ModelList(data=[card]).model_dump(mode="json", exclude_none=True)
 
-    async def health(self) -> Response:
+    async def health(self, details: bool = True) -> Response:
         """200 when at least one decode engine is healthy (prefill is optional: colocated fallback);
-        otherwise 503 saying why each decode engine is not (what Serve reports of its deployment,
-        e.g. an engine that failed to start and the error it failed with)."""
+        otherwise 503, with ``details`` saying why each decode engine is not (what Serve reports
+        of its deployment, e.g. an engine that failed to start and the error it failed with: file
+        paths, the model, addresses), which only a caller admitted to the other routes is told."""
         if self.pool.has_healthy("decode"):
             return JSONResponse({"status": "ok"})
         message = "no healthy decode engine"
+        if not details:
+            return JSONResponse(error_body(message, 503), 503)
         try:
             reasons = await self.engine_status()
         except Exception as exc:  # the status is a courtesy: never let it fail the health check

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -124,6 +126,44 @@ def test_a_refusal_compares_the_presented_key_with_every_key():
     assert ClientKeys(["", ""]).required is False and ClientKeys(["", ""]).admit(None)
 
 
+SECRET_REASON = "DEPLOY_FAILED: FileNotFoundError: /srv/models/internal-llm-70b/config.json"
+
+
+def engines_down(app: App) -> None:
+    """Every decode engine down, and Serve's reason naming a private path."""
+    for load in app.service.pool.of_role("decode"):
+        load.healthy = False
+
+    async def why() -> dict[str, str]:
+        return {"decode": SECRET_REASON}
+
+    async def stay_down() -> None:
+        return None
+
+    app.service.engine_status = why
+    app.service.pool.refresh = stay_down
+
+
+def assert_health(response: Any, told: bool) -> None:
+    assert response.status_code == 503
+    message = json.loads(response.body)["error"]["message"]
+    assert (SECRET_REASON in message) is told and message.startswith("no healthy decode engine"), message
+
+
+def test_with_keys_a_health_probe_without_one_is_not_told_why_the_engines_are_down(tiny_tokenizer):
+    """A 503 for everyone (probes carry no key); Serve's reasons (paths, the model, addresses)
+    only for a caller with an API key or the operator token."""
+
+    async def body(app: App, client: httpx.AsyncClient) -> None:
+        assert (await client.get("/health")).status_code == 200
+        engines_down(app)
+        for authorization, told in ((None, False), ("Bearer nope", False), ("Bearer token-abc123", True), (f"Bearer {OPERATOR}", True)):
+            response = await call(client, "GET", "/health", None, authorization)
+            assert_health(SimpleNamespace(status_code=response.status_code, body=response.content), told)
+
+    run(body, tiny_tokenizer, api_keys=KEYS, operator_token=OPERATOR)
+
+
 # Python's own finalizer calls the wrapper's async __del__ too when the test drops the replica.
 @pytest.mark.filterwarnings("ignore:coroutine .*__del__' was never awaited:RuntimeWarning")
 def test_over_serves_proxy_the_ingress_routes_ask_for_a_key_too(tiny_tokenizer):
@@ -164,5 +204,8 @@ def test_over_serves_proxy_the_ingress_routes_ask_for_a_key_too(tiny_tokenizer):
         assert "engines" in await replica.engines(request("/pd/engines", "GET", f"Bearer {OPERATOR}"))
         served = await replica.tokenize_route(request("/tokenize", "POST", "Bearer token-abc123"))
         assert served.status_code == 400  # admitted: the empty body's own error
+        engines_down(app)
+        for authorization, told in ((None, False), ("Bearer nope", False), ("Bearer token-abc123", True), (f"Bearer {OPERATOR}", True)):
+            assert_health(await replica.health(request("/health", "GET", authorization)), told)
 
     run(body, tiny_tokenizer, api_keys=KEYS, operator_token=OPERATOR)
