@@ -1005,6 +1005,11 @@ def _text_content(content: Any, i: int) -> str:
         return ""
     if isinstance(content, str):
         return content
+    if isinstance(content, Iterator):  # vLLM's message model leaves an empty list a lazy pydantic iterator
+        try:
+            content = list(content)
+        except ValueError as exc:  # pydantic's ValidationError: a part it could not read
+            raise bad_request(f"messages[{i}].content has a part that is not a content part", param=f"messages.{i}.content") from exc
     if isinstance(content, list):
         texts = []
         for part in content:

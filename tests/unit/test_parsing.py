@@ -350,6 +350,8 @@ TURN_CALL = {"role": "assistant", "content": None, "tool_calls": [CALL]}
         ([{"role": "user", "content": "Hi"}, {"role": "developer", "content": "Be brief."}], {}),  # moved first
         ([{"role": "system", "content": "A."}, {"role": "developer", "content": "B."}, {"role": "user", "content": "Hi"}], {}),
         ([{"role": "user", "content": "Hi"}, TURN_CALL, {"role": "tool", "content": "x", "tool_call_id": "c1"}], {}),
+        ([{"role": "system", "content": []}, {"role": "user", "content": "Hi"}], {}),  # an empty list of parts: ""
+        ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], {}),
     ],
 )
 def test_a_chat_prompt_is_the_one_vllms_renderer_makes(tiny_tokenizer, messages, extra):
