@@ -498,6 +498,10 @@ class AppConfig(_Strict):
                         f"prefill's and decode's {key} differ ({prefill} and {decode}): prefill writes its KV blocks "
                         f"into decode's as they are; set {key} in engine_kwargs, for both roles"
                     )
+        for where, kwargs in places.items():
+            policy = kwargs.get("scheduling_policy")
+            if policy is not None and policy not in SCHEDULING_POLICIES:
+                raise ValueError(f"{where}.scheduling_policy {policy!r}: vLLM's policies are {', '.join(SCHEDULING_POLICIES)}")
         if self.has_prefill():
             policies = {role: self.scheduling_policy(role) for role in ("prefill", "decode")}
             if policies["prefill"] != policies["decode"]:
@@ -665,6 +669,7 @@ def _check_own_policy(role: str, autoscaling_config: dict[str, Any] | None) -> N
 
 
 # Engine arguments pd-serve sets itself, and what to set instead.
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's SchedulerPolicy
 APP_ENGINE_KWARGS = {
     "kv_transfer_config": "the KV connector, its ports and its checks; use kv_port_base and kv_connector_extra_config",
     "model": "use the app's model",

@@ -19,7 +19,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -94,11 +94,12 @@ class ClientHeaders:
     """What a request's HTTP headers say about it, besides its API key (the handle API has none)."""
 
     request_id: str | None = None  # X-Request-Id
-    priority: str | None = None  # X-Vllm-Priority
+    priorities: tuple[str, ...] = ()  # every X-Vllm-Priority sent
 
     @classmethod
-    def of(cls, headers: Mapping[str, str]) -> ClientHeaders:
-        return cls(headers.get("x-request-id"), headers.get(PRIORITY_HEADER))
+    def of(cls, headers: Any) -> ClientHeaders:
+        """From Starlette's headers, which keep every value of a repeated header."""
+        return cls(headers.get("x-request-id"), tuple(headers.getlist(PRIORITY_HEADER)))
 
 
 @dataclass
@@ -299,7 +300,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
     model = checked_model(body, ctx)
     request = _validate(route, body)
     _reject_unsupported(route, request, ctx)
-    priority = _priority(headers.priority, request, ctx)
+    priority = _priority(headers.priorities, request, ctx)
     parser_kwargs = template_kwargs(request) if route == "chat" else {}
     tool_choice = tool_choice_of(request, ctx.tool_parser, ctx.parser_tokenizer, parser_kwargs) if route == "chat" else None
     if tool_choice is not None and not isinstance(tool_choice, AutoCalls):
@@ -476,17 +477,24 @@ def _client_request_id(header_id: str | None, request: Any) -> str | None:
     return client_id
 
 
-def _priority(header: str | None, request: Any, ctx: ModelContext) -> int:
+def _priority(sent: tuple[str, ...], request: Any, ctx: ModelContext) -> int:
     """The request's priority: ``X-Vllm-Priority`` (a gateway's), else the body's ``priority``.
-    Where the engines schedule first come, first served, anything but 0 is refused: vLLM's server
-    would ignore it, and a client relying on it must hear that it is not there."""
-    where = "priority"
-    priority = request.priority
-    if header is not None:
-        where = "X-Vllm-Priority"
-        if not PRIORITY_TEXT.fullmatch(header.strip()):
-            raise bad_request(f"X-Vllm-Priority must be an integer, got {header[:32]!r}", param="priority")
-        priority = int(header)
+
+    With priority scheduling the header must be one integer: one the router cannot read, or a
+    second beside a gateway's, must not leave a client's own value in charge (a 400). Where the
+    engines serve first come, first served, a header that is not an integer is ignored, as vLLM's
+    server ignores it (a gateway may send one to every backend), and a priority other than 0 is
+    refused: vLLM's server would ignore it, and a client relying on it must hear that it is not
+    there."""
+    texts = [text.strip(" \t") for text in sent]
+    numbers = [int(text) for text in texts if PRIORITY_TEXT.fullmatch(text)]
+    if ctx.priority_scheduling and len(sent) > 1:
+        raise bad_request("X-Vllm-Priority is given more than once", param="priority")
+    if ctx.priority_scheduling and sent and not numbers:
+        raise bad_request(f"X-Vllm-Priority must be an integer, got {sent[0][:32]!r}", param="priority")
+    where, priority = "priority", request.priority
+    if numbers:
+        where, priority = "X-Vllm-Priority", next((n for n in numbers if n != 0), 0)
     low, high = PRIORITY_RANGE
     if not low <= priority <= high:
         raise bad_request(f"{where} must be a signed 64-bit integer", param="priority")

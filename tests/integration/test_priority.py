@@ -45,20 +45,36 @@ def complete(app, prompt: str | list[int], max_tokens: int, headers: dict[str, s
     return time.monotonic(), response.json()
 
 
+def decode_queue(app) -> tuple[int, int]:
+    """The decode engine's (running, waiting) requests, as it last reported them."""
+    (engine,) = [e for e in app.snapshot()["engines"].values() if e["role"] == "decode"]
+    return engine["engine_running"], engine["engine_waiting"]
+
+
+def wait_for_queue(app, running: int, waiting: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (seen := decode_queue(app)) != (running, waiting):
+        assert time.monotonic() < deadline, f"decode engine (running, waiting) {seen}, not {(running, waiting)}"
+        time.sleep(0.05)
+
+
 def test_a_later_request_of_earlier_priority_is_served_first(app):
-    long_one = {"prompt": "The long one", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+    long_one = {"prompt": "The long one", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
     with ThreadPoolExecutor(2) as pool, requests.post(app.base_url + "/v1/completions", json=long_one, stream=True, timeout=120) as stream:
         assert stream.status_code == 200, stream.text
         chunks = sse_chunks(stream)
-        next(chunks)  # the engine's one running request, long enough to outlast the two queued behind it
+        next(chunks)
+        wait_for_queue(app, 1, 0)  # the engine's one running request, for seconds yet
         late = pool.submit(complete, app, "Priority five, sent first", 8, priority=5)
-        time.sleep(0.5)  # queued well before the next
+        wait_for_queue(app, 1, 1)  # queued behind it
         # The next as a gateway gives it (X-Vllm-Priority).
         early = pool.submit(complete, app, "Priority minus five, sent second", 8, headers={"X-Vllm-Priority": "-5"})
+        wait_for_queue(app, 1, 2)  # both queued while the long one still runs
         assert not late.done() and not early.done()
         sum(1 for _ in chunks)  # the long one goes on to its end
         (late_done, late_reply), (early_done, early_reply) = late.result(), early.result()
     assert late_reply["usage"]["completion_tokens"] == early_reply["usage"]["completion_tokens"] == 8
+    # One request at a time: the first served ended before the second began.
     assert early_done < late_done, "the engine served the requests in arrival order, not by priority"
     wait_idle(app)
 

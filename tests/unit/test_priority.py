@@ -36,15 +36,26 @@ def test_a_priority_is_refused_where_the_engines_serve_first_come_first_served(t
             assert error["param"] == "priority" and error["type"] == "invalid_request_error", error
             assert error["message"].startswith(f"{where} is not supported by this server"), error
         assert calls == []  # refused before any engine saw it
-        # 0, the default, is every request's priority there: served.
-        for payload, headers in (({**COMPLETION, "priority": 0}, {}), (COMPLETION, {"X-Vllm-Priority": "0"})):
-            assert (await client.post("/v1/completions", json=payload, headers=headers)).status_code == 200
+        # 0, the default, is every request's priority there: served. A header that is not an
+        # integer is ignored there, as vLLM's server ignores it (a gateway may send one to all).
+        for payload, headers in (
+            ({**COMPLETION, "priority": 0}, {}),
+            (COMPLETION, {"X-Vllm-Priority": "0"}),
+            (COMPLETION, {"X-Vllm-Priority": "high"}),
+            (COMPLETION, {"X-Vllm-Priority": ""}),
+            (COMPLETION, [("X-Vllm-Priority", "\x1c5")]),
+            (COMPLETION, [("X-Vllm-Priority", "x"), ("X-Vllm-Priority", "0")]),
+        ):
+            out = await client.post("/v1/completions", json=payload, headers=headers)
+            assert out.status_code == 200, (headers, out.text)
         assert {call["priority"] for call in calls} == {0}
+        repeated = await client.post("/v1/completions", json=COMPLETION, headers=[("X-Vllm-Priority", "0"), ("X-Vllm-Priority", "3")])
+        assert repeated.status_code == 400 and repeated.json()["error"]["message"].startswith("X-Vllm-Priority 3 is not supported")
 
     run(body, tiny_tokenizer)
 
 
-def test_the_priority_reaches_both_engines_and_the_header_comes_before_the_body(tiny_tokenizer):
+def test_the_priority_reaches_both_engines_and_the_header_comes_before_the_body(tiny_tokenizer, transport):
     async def body(app: App, client: httpx.AsyncClient) -> None:
         calls = engine_calls(app)
         for payload, headers, priority in (
@@ -68,6 +79,9 @@ def test_the_priority_reaches_both_engines_and_the_header_comes_before_the_body(
             ({"X-Vllm-Priority": "1.5"}, COMPLETION),
             ({"X-Vllm-Priority": "9" * 20}, COMPLETION),
             ({"X-Vllm-Priority": str(2**63)}, COMPLETION),
+            ({"X-Vllm-Priority": ""}, COMPLETION),
+            ([("X-Vllm-Priority", "\x1c5")], COMPLETION),  # not a blank HTTP strips
+            ([("X-Vllm-Priority", "-1"), ("X-Vllm-Priority", "-9")], COMPLETION),  # a client's beside a gateway's
             ({}, {**COMPLETION, "priority": 2**63}),
             ({}, {**COMPLETION, "priority": -(2**63) - 1}),
         ):
@@ -76,7 +90,7 @@ def test_the_priority_reaches_both_engines_and_the_header_comes_before_the_body(
             assert out.status_code == 400 and out.json()["error"]["param"] == "priority", (headers, out.text)
             assert calls[before:] == []
 
-    run(body, tiny_tokenizer, app_args=args(engine_kwargs=PRIORITY))
+    run(body, tiny_tokenizer, app_args=args(engine_kwargs=PRIORITY, router={"engine_transport": transport}))
 
 
 def test_a_resumed_attempt_keeps_the_priority(tiny_tokenizer):
@@ -103,6 +117,38 @@ def test_a_resumed_attempt_keeps_the_priority(tiny_tokenizer):
     run(body, tiny_tokenizer, app_args=pressure)
 
 
+def test_the_engine_runner_hands_the_priority_to_vllm():
+    """VLLMRunner gives AsyncLLM.generate the request's priority (its engine core's scheduler
+    orders by it: tests/integration/test_priority.py)."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from serve_app.engines.pacing import StreamPacer
+    from serve_app.engines.vllm_runner import VLLMRunner
+    from serve_app.wire.protocol import EngineRequest
+    from serve_app.wire.sampling import encode_sampling
+
+    given: list[int] = []
+
+    class FakeLLM:
+        async def generate(self, prompt, params, request_id, priority=0):
+            given.append(priority)
+            completion = SimpleNamespace(token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None)
+            yield SimpleNamespace(outputs=[completion], finished=True, num_cached_tokens=0)
+
+    async def main() -> None:
+        runner = VLLMRunner("decode-0", "decode", {}, pacer=StreamPacer(100.0))
+        runner.llm = FakeLLM()
+        params = encode_sampling(SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
+        for priority in (-4, 0, 2**63 - 1):
+            deltas = [d async for d in runner.generate(EngineRequest(f"r{priority}", [1, 2], params, None, priority=priority))]
+            assert [d.token_ids for d in deltas] == [[7]]
+
+    asyncio.run(main())
+    assert given == [-4, 0, 2**63 - 1]
+
+
 @pytest.mark.parametrize(
     "kwargs, refused",
     [
@@ -112,12 +158,15 @@ def test_a_resumed_attempt_keeps_the_priority(tiny_tokenizer):
         ({"prefill": {"engine_kwargs": PRIORITY}}, True),
         ({"engine_kwargs": PRIORITY, "prefill": {"engine_kwargs": {"scheduling_policy": "fcfs"}}}, True),
         ({"router": {"mode": "colocated"}, "prefill": {"num_replicas": 0}, "decode": {"engine_kwargs": PRIORITY}}, False),  # decode alone
+        ({"engine_kwargs": {"scheduling_policy": "PRIORITY"}}, "scheduling_policy 'PRIORITY': vLLM's policies are fcfs, priority"),
     ],
 )
 def test_prefill_and_decode_schedule_alike(kwargs, refused):
-    """A priority orders both engines' queues, or it would order half of a request's way."""
+    """A priority orders both engines' queues, or it would order half of a request's way; and a
+    policy vLLM lacks is refused here, not when the engines start."""
     if refused:
-        with pytest.raises(ValueError, match="prefill's and decode's scheduling_policy differ"):
+        match = refused if isinstance(refused, str) else "prefill's and decode's scheduling_policy differ"
+        with pytest.raises(ValueError, match=match):
             AppConfig(model="m", **kwargs)
     else:
         assert AppConfig(model="m", **kwargs).priority_scheduling
