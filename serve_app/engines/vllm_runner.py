@@ -122,7 +122,13 @@ class VLLMRunner:
         self.requests.put(request.request_id, record)
         finish = self._load.finish_signals[request.request_id] = FinishSignal()
         prompt = tokens_input(request.prompt_token_ids, cache_salt=request.cache_salt)
-        outputs = self.llm.generate(prompt, params, request.request_id, priority=request.priority)
+        # A reasoning model's chat request: as vLLM's server hands it over (only where set).
+        reasoning = {
+            name: value
+            for name, value in (("reasoning_ended", request.reasoning_ended), ("reasoning_parser_kwargs", request.reasoning_parser_kwargs))
+            if value is not None
+        }
+        outputs = self.llm.generate(prompt, params, request.request_id, priority=request.priority, **reasoning)
         try:
             # Closing the engine's stream (however this one ends) aborts the request in vLLM.
             async with aclosing(outputs):

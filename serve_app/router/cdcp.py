@@ -36,7 +36,17 @@ from serve_app.router.recompute import AttemptPlan
 from serve_app.runtime.logs import attempt_log_level
 from serve_app.runtime.metrics import RouterMetrics
 from serve_app.wire.protocol import MOVED as MOVED_STOP
-from serve_app.wire.protocol import EngineRejected, EngineRequest, KVEndpoint, KVReady, PrefillResult, Role, TokenDelta
+from serve_app.wire.protocol import (
+    NO_TAGS,
+    EngineRejected,
+    EngineRequest,
+    KVEndpoint,
+    KVReady,
+    PrefillResult,
+    RequestTags,
+    Role,
+    TokenDelta,
+)
 from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS, encode_sampling
 
 logger = logging.getLogger("pd_serve.router")
@@ -166,15 +176,13 @@ class AttemptExecutor:
         plan: AttemptPlan,
         params_template: Any,
         request_deadline: float | None = None,
-        cache_salt: str | None = None,
-        priority: int = 0,
+        tags: RequestTags = NO_TAGS,
     ) -> AsyncIterator[AttemptEvent]:
         """The attempt's events, ending with its last token or an ``AttemptFailed``. Past
         ``request_deadline`` (monotonic) it fails for good: the client's whole request is over.
-        ``cache_salt`` (the client's) goes to both engines and into the prefix keys, ``priority``
-        to both engines."""
+        ``tags`` go to the engines; the client's ``cache_salt`` into the prefix keys too."""
         # The prompt's prefix blocks, once for both choices (router.balancer: prefix).
-        keys = self.pool.prefix_keys(plan.prompt_token_ids, cache_salt)
+        keys = self.pool.prefix_keys(plan.prompt_token_ids, tags.cache_salt)
         decode = await self.pick("decode", plan.avoid, keys, len(plan.prompt_token_ids) + plan.max_tokens)
         if decode is None:
             yield AttemptFailed("no decode engine is available", retryable=False, status=503, kind="no_engine")
@@ -190,11 +198,11 @@ class AttemptExecutor:
         if plan.disaggregated:
             # The decode replica adds the URL of its own metaserver relay.
             kv_params = {"do_remote_prefill": True, "do_remote_decode": False, "request_id": plan.attempt_id}
-        request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, encoded, kv_params, cache_salt, priority)
+        request = EngineRequest(plan.attempt_id, plan.prompt_token_ids, encoded, kv_params, **tags.decode())
         reserved = len(plan.prompt_token_ids) + plan.max_tokens
         with self.pool.lease(decode.name, reserved):
             stream = self.pool.open_stream(decode.name, request)
-            attempt = AttemptRun(self, plan, decode.name, stream, request_deadline, keys, cache_salt, priority)
+            attempt = AttemptRun(self, plan, decode.name, stream, request_deadline, keys, tags)
             try:
                 with self.pool.watch(decode.name, attempt.decode_leaving):
                     async for event in attempt.events():
@@ -234,13 +242,11 @@ class AttemptRun:
         stream: Any,
         request_deadline: float | None = None,
         prefix_keys: list[int] | None = None,
-        cache_salt: str | None = None,
-        priority: int = 0,
+        tags: RequestTags = NO_TAGS,
     ) -> None:
         self.executor = executor
         self.prefix_keys = prefix_keys
-        self.cache_salt = cache_salt
-        self.priority = priority
+        self.tags = tags
         self.request_deadline = request_deadline
         self.plan = plan
         self.decode = decode
@@ -442,9 +448,7 @@ class AttemptRun:
         self.prefill_started = time.monotonic()
         self._advance(PhaseEvent.KV_READY)
         params = {k: v for k, v in kv_params.items() if k in PREFILL_KV_KEYS}
-        request = EngineRequest(
-            self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params, self.cache_salt, self.priority
-        )
+        request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params, **self.tags.prefill())
         self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))
         response = self.prefill_call = self.executor.pool.start_prefill(prefill.name, request)
         logger.log(

@@ -38,6 +38,7 @@ from serve_app.router.tools import (
     tool_choice_of,
 )
 from serve_app.runtime.private_symbols import unchanged
+from serve_app.wire.protocol import RequestTags
 from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS
 
 logger = logging.getLogger("pd_serve.router")
@@ -162,12 +163,11 @@ class ParsedRequest:
     min_tokens: int
     logprobs: int | None  # top-k per token; None when not requested
     return_token_ids: bool
-    # vLLM's cache_salt (validated by its protocol: a non-empty string): every engine request of
-    # every attempt carries it, and the router's prefix keys start from it.
-    cache_salt: str | None = None
-    # vLLM's priority (lower is served earlier), for both engines of every attempt; 0 unless the
-    # engines use priority scheduling (``_priority``).
-    priority: int = 0
+    # What every engine request of every attempt carries: vLLM's cache_salt (validated by its
+    # protocol: a non-empty string; the router's prefix keys start from it too), its priority
+    # (lower is served earlier; 0 unless the engines schedule by priority: ``_priority``), and a
+    # reasoning model's state for the decode engine (``_reasoning_tags``).
+    tags: RequestTags = field(default_factory=RequestTags)
     # A chat request's tool_choice that makes the output tool calls (router/tools.py).
     tool_choice: ToolChoice | None = None
     # A reasoning model's chat reply: the thinking is split from it (router/output_parsers.py).
@@ -382,8 +382,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
         min_tokens=int(request.min_tokens or 0),
         logprobs=None if hide_tokens else logprobs,
         return_token_ids=bool(request.return_token_ids) and not hide_tokens,
-        cache_salt=request.cache_salt,
-        priority=priority,
+        tags=RequestTags(request.cache_salt, priority, **_reasoning_tags(route, reasoning, parser_kwargs)),
         tool_choice=tool_choice,
         reasoning=reasoning,
         n=n,
@@ -475,6 +474,20 @@ def _client_request_id(header_id: str | None, request: Any) -> str | None:
     if not isinstance(client_id, str) or not CLIENT_REQUEST_ID.fullmatch(client_id):
         raise bad_request(f"{where} must be 1 to 128 characters of A-Z, a-z, 0-9 and ._:@+=/-", param="request_id")
     return client_id
+
+
+def _reasoning_tags(route: Route, reasoning: ReasoningSplit | None, parser_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM's server tells a reasoning model's engine of a chat request (where the decode
+    engines have a reasoning parser): the template's variables, which its parser reads (whether
+    thinking is on, e.g.), and, where the client hides the thinking (``include_reasoning:
+    false``), that it is over before it starts, so that a grammar holds from the first token
+    (None: the engine reads the prompt, as vLLM's server would for it)."""
+    if route != "chat" or reasoning is None:
+        return {}
+    return {
+        "reasoning_ended": None if reasoning.include else True,
+        "reasoning_parser_kwargs": {"chat_template_kwargs": dict(parser_kwargs)},
+    }
 
 
 def _priority(sent: tuple[str, ...], request: Any, ctx: ModelContext) -> int:

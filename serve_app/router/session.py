@@ -183,7 +183,7 @@ class ResponseSession:
                 step: Step | None = None
                 # The attempt runs in this task (no wait_for around it): a cancellation, which
                 # anyio delivers again at every await, then finds nothing half-running to close.
-                async with aclosing(self.executor.run(plan, params, deadline, self.request.cache_salt, self.request.priority)) as events:
+                async with aclosing(self.executor.run(plan, params, deadline, self.request.tags)) as events:
                     async for event in _EngineWaitClock(events, self):
                         step = self._step(event)
                         if step is None:

@@ -18,7 +18,9 @@ Ascend engines load it too (vllm-ascend keeps vLLM's scheduler side).
 
 With a reasoning parser in the engine (``structured_outputs_config.reasoning_parser``), the
 earlier output may hold reasoning the grammar never saw, and where it ends is the parser's
-business: the plugin stands aside and the resumed attempt's grammar starts over (README, Limits).
+business: the plugin stands aside and the resumed attempt's grammar starts over (README, Limits),
+unless the thinking was over before the first token (``reasoning_ended``: the client hid it, and
+the grammar held from the start, as without a parser).
 """
 
 from __future__ import annotations
@@ -67,6 +69,14 @@ def earlier_output(request: Any) -> list[int]:
     return marked_tail(request.prompt_token_ids or (), count)
 
 
+def _thinking_over(request: Any) -> bool:
+    """Whether the request's thinking was over before its first output token (vLLM's
+    ``reasoning_ended``, which the router sets where the client hides the thinking, as vLLM's
+    server does): then its grammar held from that token, and all earlier output is the grammar's."""
+    structured = getattr(request, "structured_output_request", None)
+    return getattr(structured, "reasoning_ended", None) is True
+
+
 def advancing_by_earlier_output(create_grammar: Any) -> Any:
     """``StructuredOutputManager._create_grammar``, then the new matcher advanced by a resumed
     attempt's earlier output."""
@@ -76,7 +86,7 @@ def advancing_by_earlier_output(create_grammar: Any) -> Any:
         earlier = earlier_output(request)
         if not earlier:
             return grammar
-        if self.reasoner_cls is not None and not getattr(self, "enable_in_reasoning", False):
+        if self.reasoner_cls is not None and not getattr(self, "enable_in_reasoning", False) and not _thinking_over(request):
             logger.warning(
                 "structured output: request %s resumes with a grammar that starts over (a reasoning parser is configured)",
                 request.request_id,

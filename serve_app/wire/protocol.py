@@ -52,6 +52,37 @@ class EngineRequest:
     cache_salt: str | None = None
     # vLLM's request priority (lower is served earlier), where the engines schedule by priority.
     priority: int = 0
+    # A reasoning model's chat request, as vLLM's server hands it to the engine: whether the
+    # thinking is over before the first output token (True: a grammar holds from it), and the
+    # template's variables for the engine's reasoning parser (``{"chat_template_kwargs": {...}}``).
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RequestTags:
+    """What every engine request of one client request carries besides its prompt and sampling
+    parameters: the decode engine's get all of it; a prefill engine's (which samples nothing a
+    client sees) the cache salt and the priority."""
+
+    cache_salt: str | None = None
+    priority: int = 0
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None
+
+    def decode(self) -> dict[str, Any]:
+        return {
+            "cache_salt": self.cache_salt,
+            "priority": self.priority,
+            "reasoning_ended": self.reasoning_ended,
+            "reasoning_parser_kwargs": self.reasoning_parser_kwargs,
+        }
+
+    def prefill(self) -> dict[str, Any]:
+        return {"cache_salt": self.cache_salt, "priority": self.priority}
+
+
+NO_TAGS = RequestTags()
 
 
 @dataclass(frozen=True)

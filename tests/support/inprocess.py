@@ -495,6 +495,8 @@ def engine_calls(app: App) -> list[dict[str, Any]]:
                     "prompt": list(request.prompt_token_ids),
                     "kv": request.kv_transfer_params,
                     "priority": request.priority,
+                    "reasoning_ended": request.reasoning_ended,
+                    "reasoning_parser_kwargs": request.reasoning_parser_kwargs,
                 }
             )
             async for delta in real(request):

@@ -244,9 +244,9 @@ def test_a_body_nested_too_deep_is_a_400_without_a_traceback(caplog):
             yield TokenDelta([1], finish_reason="stop")
 
     body = encode_request(EngineRequest("n-1", [1], b"", None))
-    # kv_transfer_params (None, before the last two fields) replaced by 10,000 nested one-key maps
-    # (msgspec stops near 1,000).
-    last = b"\xaacache_salt\xc0\xa8priority\x00"
+    # kv_transfer_params (None, before the fields that follow it) replaced by 10,000 nested
+    # one-key maps (msgspec stops near 1,000).
+    last = b"\xaacache_salt\xc0\xa8priority\x00\xafreasoning_ended\xc0\xb7reasoning_parser_kwargs\xc0"
     assert body.endswith(b"\xc0" + last)
     deep = body[: -len(last) - 1] + b"\x81\xa1a" * 10_000 + b"\x01" + last
 

@@ -20,7 +20,7 @@ from serve_app.config.settings import load_config
 from serve_app.router.output_parsers import load_parser
 from serve_app.router.parsing import ModelContext, parse_request
 from tests.support.chat_replies import HERMES_CALL, MESSAGES, TOOLS, named, reply
-from tests.support.inprocess import App, args, body_of, run
+from tests.support.inprocess import App, args, body_of, engine_calls, run
 
 ON_023 = vllm.__version__.startswith("0.23")
 REASONING = "granite" if ON_023 else "qwen3"
@@ -261,3 +261,42 @@ def test_the_router_reads_replies_with_the_engines_parser(tiny_tokenizer):
             assert usage.get("completion_tokens_details") == (details and {"reasoning_tokens": 8 * n})
 
     run(body, args(engine_kwargs={"reasoning_parser": REASONING}), tiny_tokenizer)
+
+
+def test_the_decode_engine_is_told_what_vllms_server_tells_it(tiny_tokenizer):
+    """A reasoning model's chat request reaches the decode engine as vLLM's server hands it to
+    its engine (``_engine_reasoning_kwargs``): the template's variables for the engine's reasoning
+    parser, and ``reasoning_ended`` True where the client hides the thinking (a grammar then holds
+    from the first token), else None (the engine reads the prompt); on every attempt, and on no
+    prefill engine (it samples nothing a client sees). Not for completions, nor without a parser."""
+
+    async def body(app: App) -> None:
+        calls = engine_calls(app)
+        kwargs = {"enable_thinking": False, "custom": [1, {"a": "b"}]}
+        for extra, ended, template in (
+            ({}, None, {}),
+            ({"include_reasoning": False}, True, {}),
+            ({"chat_template_kwargs": kwargs}, None, kwargs),
+            ({"reasoning_effort": "none", "include_reasoning": False}, True, {"reasoning_effort": "none", "enable_thinking": False}),
+        ):
+            before = len(calls)
+            status, _ = await body_of(await app.service.http("chat", json.dumps({"messages": MESSAGES, "max_tokens": 4, **extra}).encode()))
+            assert status == 200
+            sent = {call["engine"].split("-")[0]: call for call in calls[before:]}
+            assert set(sent) == {"decode", "prefill"}
+            decode = sent["decode"]
+            assert (decode["reasoning_ended"], decode["reasoning_parser_kwargs"]) == (ended, {"chat_template_kwargs": template})
+            assert (sent["prefill"]["reasoning_ended"], sent["prefill"]["reasoning_parser_kwargs"]) == (None, None)
+        before = len(calls)
+        status, _ = await body_of(await app.service.http("completions", json.dumps({"prompt": "Hi", "max_tokens": 4}).encode()))
+        assert status == 200 and {(c["reasoning_ended"], c["reasoning_parser_kwargs"]) for c in calls[before:]} == {(None, None)}
+
+    run(body, args(engine_kwargs={"reasoning_parser": REASONING}), tiny_tokenizer)
+
+    async def without_parser(app: App) -> None:
+        calls = engine_calls(app)
+        body = {"messages": MESSAGES, "max_tokens": 4, "include_reasoning": False}
+        assert (await body_of(await app.service.http("chat", json.dumps(body).encode())))[0] == 200
+        assert {(c["reasoning_ended"], c["reasoning_parser_kwargs"]) for c in calls} == {(None, None)}
+
+    run(without_parser, args(), tiny_tokenizer)

@@ -51,9 +51,14 @@ class Manager:
         return self.backend.compile_grammar(StructuredOutputOptions.JSON, json.dumps(SCHEMA))
 
 
-def request(prompt: list[int], mark=None) -> SimpleNamespace:
+def request(prompt: list[int], mark=None, reasoning_ended=None) -> SimpleNamespace:
     extra_args = None if mark is None else {RESUMED_OUTPUT_TOKENS: mark}
-    return SimpleNamespace(request_id="r-1", prompt_token_ids=prompt, sampling_params=SamplingParams(extra_args=extra_args))
+    return SimpleNamespace(
+        request_id="r-1",
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(extra_args=extra_args),
+        structured_output_request=SimpleNamespace(reasoning_ended=reasoning_ended),
+    )
 
 
 def allowed(grammar, vocab_size: int) -> torch.Tensor:
@@ -142,6 +147,12 @@ def test_with_a_reasoning_parser_the_plugin_stands_aside(backend, output, caplog
     # With the grammar applied during reasoning too, the earlier output is the grammar's.
     grammar = create(Manager(backend, reasoner_cls=object, enable_in_reasoning=True), request(PROMPT + output[:3], mark=3))
     assert not torch.equal(allowed(grammar, backend.vocab_size), start)
+    # With the thinking over before the first token (the client hid it: reasoning_ended), too.
+    resumed = create(Manager(backend, reasoner_cls=object), request(PROMPT + output[:3], mark=3, reasoning_ended=True))
+    uninterrupted = Manager(backend)._create_grammar(None)
+    assert uninterrupted.accept_tokens("r-1", output[:3])
+    assert torch.equal(allowed(resumed, backend.vocab_size), allowed(uninterrupted, backend.vocab_size))
+    assert not torch.equal(allowed(resumed, backend.vocab_size), start)
 
 
 def test_install_patches_only_in_the_engine_core_and_once(monkeypatch):

@@ -1,15 +1,23 @@
-"""vLLM's priority scheduling through pd-serve, on real engines (1P1D, both with
-``scheduling_policy: priority``).
+"""vLLM's per-request engine arguments through pd-serve, on real engines (1P1D): a request's
+priority, and a reasoning model's state (``reasoning_ended``, the template's variables for the
+engine's reasoning parser), both as vLLM's server hands them to its engine.
 
-The decode engine runs one request at a time (``max_num_seqs: 1``) and prefills prompts of at
-most 32 tokens itself (``router.local_prefill_max_tokens``), so while a long request runs, the
-next ones wait in its queue whole: of two waiting requests, the later one, with the lower
-(earlier) priority, is served first. With the priority lost on its way (the router's or the
-engine runner's), the engine serves them in arrival order and the test fails. A longer prompt
-with a priority takes the P/D hand-off (its KV pushed by the prefill engine) as any other."""
+Priority: both roles run ``scheduling_policy: priority``. The decode engine runs one request at
+a time (``max_num_seqs: 1``) and prefills prompts of at most 32 tokens itself
+(``router.local_prefill_max_tokens``), so while a long request runs, the next ones wait in its
+queue whole: of two waiting requests, the later one, with the lower (earlier) priority, is served
+first. With the priority lost on its way (the router's or the engine runner's), the engine serves
+them in arrival order and the test fails. A longer prompt with a priority takes the P/D hand-off.
+
+Reasoning: the engines run qwen3's reasoning parser for structured output, whose grammar holds
+only once the thinking is over. The tiny tokenizer has no ``</think>`` token, so an engine that is
+not told that thinking is off (``enable_thinking: false`` in the template's variables) or hidden
+(``include_reasoning: false``) never applies the grammar at all.
+"""
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,7 +32,11 @@ LOCAL_PREFILL = 32
 ARGS = {
     "served_model_name": "tiny-llama",
     "max_model_len": 2048,
-    "engine_kwargs": {"scheduling_policy": "priority", "kv_cache_memory_bytes": 64 << 20},
+    "engine_kwargs": {
+        "scheduling_policy": "priority",
+        "kv_cache_memory_bytes": 64 << 20,
+        "structured_outputs_config": {"reasoning_parser": "qwen3"},
+    },
     "prefill": {"num_replicas": 1, "num_cpus": 0.1},
     "decode": {"num_replicas": 1, "num_cpus": 0.1, "engine_kwargs": {"max_num_seqs": 1}},
     "router": {"mode": "disaggregated", "local_prefill_max_tokens": LOCAL_PREFILL, "num_cpus": 0.05},
@@ -33,7 +45,7 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def app(cluster):
-    with deployed(cluster, "prio", ARGS) as app:
+    with deployed(cluster, "tags", ARGS) as app:
         yield app
 
 
@@ -87,4 +99,27 @@ def test_a_prompt_with_a_priority_takes_the_hand_off(app):
     (attempt,) = [i for i in decode["requests"] if i.startswith("cmpl-prio-pd-")]
     transfer = decode["transfers"][attempt]
     assert transfer is not None and transfer["outcome"] == "done" and transfer["tokens_received"] > LOCAL_PREFILL, transfer
+    wait_idle(app)
+
+
+def test_a_reasoning_models_grammar_holds_from_the_first_token_where_thinking_is_off_or_hidden(app):
+    regex = "(yes|no)( (yes|no)){7}"
+    base = {"messages": [{"role": "user", "content": "Answer eight times"}], "max_tokens": 200, "temperature": 0}
+    # Thinking off in the template: the engine's parser is told (its template variables), the
+    # grammar holds from the first token, and the whole reply is the answer.
+    off = {**base, "structured_outputs": {"regex": regex}, "chat_template_kwargs": {"enable_thinking": False}}
+    response = requests.post(app.base_url + "/v1/chat/completions", json=off, timeout=120)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert re.fullmatch(regex, choice["message"]["content"] or "") and not choice["message"].get("reasoning"), choice
+    # Thinking hidden: the engine is told it is over (vLLM's server's reasoning_ended), so the
+    # grammar holds from the first token and ends the reply; the router's parser, as vLLM's
+    # server's, still reads a reply without </think> as thinking, which it leaves out.
+    hidden = {**base, "structured_outputs": {"regex": regex}, "include_reasoning": False}
+    response = requests.post(app.base_url + "/v1/chat/completions", json=hidden, timeout=120)
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    choice, usage = reply["choices"][0], reply["usage"]
+    assert choice["finish_reason"] == "stop" and usage["completion_tokens"] < 8 * 4, reply  # the grammar's end, not max_tokens
+    assert choice["message"]["content"] is None and "reasoning" not in choice["message"], choice
     wait_idle(app)
