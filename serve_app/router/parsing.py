@@ -382,7 +382,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
         min_tokens=int(request.min_tokens or 0),
         logprobs=None if hide_tokens else logprobs,
         return_token_ids=bool(request.return_token_ids) and not hide_tokens,
-        tags=RequestTags(request.cache_salt, priority, **_reasoning_tags(route, reasoning, parser_kwargs)),
+        tags=RequestTags(request.cache_salt, priority, **_reasoning_tags(route, reasoning, parser_kwargs, samples[0][0])),
         tool_choice=tool_choice,
         reasoning=reasoning,
         n=n,
@@ -476,18 +476,21 @@ def _client_request_id(header_id: str | None, request: Any) -> str | None:
     return client_id
 
 
-def _reasoning_tags(route: Route, reasoning: ReasoningSplit | None, parser_kwargs: dict[str, Any]) -> dict[str, Any]:
+def _reasoning_tags(route: Route, reasoning: ReasoningSplit | None, parser_kwargs: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
     """What vLLM's server tells a reasoning model's engine of a chat request (where the decode
     engines have a reasoning parser): the template's variables, which its parser reads (whether
-    thinking is on, e.g.), and, where the client hides the thinking (``include_reasoning:
-    false``), that it is over before it starts, so that a grammar holds from the first token
-    (None: the engine reads the prompt, as vLLM's server would for it)."""
+    thinking is on, e.g.), and whether the thinking is over before the first output token: where
+    the client hides it (``include_reasoning: false``), or the prompt ends it (thinking off in the
+    template). Then a grammar holds from the first token, and a resumed attempt's goes on from the
+    earlier output (vllm_plugins/resumed_grammar.py). Else None, where vLLM's server says False:
+    the engine reads the prompt itself, which on a resumed attempt holds the earlier output, and
+    with it the end of thinking the engine would otherwise never see."""
     if route != "chat" or reasoning is None:
         return {}
-    return {
-        "reasoning_ended": None if reasoning.include else True,
-        "reasoning_parser_kwargs": {"chat_template_kwargs": dict(parser_kwargs)},
-    }
+    if _out_of_range(parser_kwargs):  # they travel to the engine in msgpack, as its numbers do
+        raise bad_request(f"chat_template_kwargs holds a number outside {INT_RANGE[0]}..{INT_RANGE[1]}", param="chat_template_kwargs")
+    over = not reasoning.include or bool(reasoning.new_parser().is_reasoning_end(prompt))
+    return {"reasoning_ended": True if over else None, "reasoning_parser_kwargs": {"chat_template_kwargs": dict(parser_kwargs)}}
 
 
 def _priority(sent: tuple[str, ...], request: Any, ctx: ModelContext) -> int:

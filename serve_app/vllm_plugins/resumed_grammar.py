@@ -39,6 +39,8 @@ _MANAGER = "vllm.v1.structured_output.StructuredOutputManager"
 SYMBOLS = (
     f"{_MANAGER}._create_grammar",
     f"{_MANAGER}.reasoner_cls",
+    "vllm.v1.request.Request.structured_output_request",
+    "vllm.v1.structured_output.request.StructuredOutputRequest.reasoning_ended",
     "vllm.v1.structured_output.backend_types.StructuredOutputGrammar.accept_tokens",
     "vllm.v1.structured_output.backend_types.StructuredOutputGrammar.is_terminated",
 )

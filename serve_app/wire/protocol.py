@@ -62,7 +62,7 @@ class EngineRequest:
 @dataclass(frozen=True)
 class RequestTags:
     """What every engine request of one client request carries besides its prompt and sampling
-    parameters: the decode engine's get all of it; a prefill engine's (which samples nothing a
+    parameters: a decode engine's request all of it; a prefill engine's (which samples nothing a
     client sees) the cache salt and the priority."""
 
     cache_salt: str | None = None

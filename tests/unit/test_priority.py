@@ -117,9 +117,10 @@ def test_a_resumed_attempt_keeps_the_priority(tiny_tokenizer):
     run(body, tiny_tokenizer, app_args=pressure)
 
 
-def test_the_engine_runner_hands_the_priority_to_vllm():
+def test_the_engine_runner_hands_the_request_tags_to_vllm():
     """VLLMRunner gives AsyncLLM.generate the request's priority (its engine core's scheduler
-    orders by it: tests/integration/test_priority.py)."""
+    orders by it) and a reasoning model's state, only where set, as vLLM's server does
+    (tests/integration/test_request_tags.py: their effect on real engines)."""
     from types import SimpleNamespace
 
     from vllm import SamplingParams
@@ -129,24 +130,32 @@ def test_the_engine_runner_hands_the_priority_to_vllm():
     from serve_app.wire.protocol import EngineRequest
     from serve_app.wire.sampling import encode_sampling
 
-    given: list[int] = []
+    given: list[dict] = []
 
     class FakeLLM:
-        async def generate(self, prompt, params, request_id, priority=0):
-            given.append(priority)
+        async def generate(self, prompt, params, request_id, **kwargs):
+            given.append(kwargs)
             completion = SimpleNamespace(token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None)
             yield SimpleNamespace(outputs=[completion], finished=True, num_cached_tokens=0)
+
+    thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    cases = [
+        ({"priority": -4}, {"priority": -4}),
+        ({}, {"priority": 0}),
+        ({"priority": 2**63 - 1, "reasoning_ended": True}, {"priority": 2**63 - 1, "reasoning_ended": True}),
+        ({"reasoning_parser_kwargs": thinking}, {"priority": 0, "reasoning_parser_kwargs": thinking}),
+    ]
 
     async def main() -> None:
         runner = VLLMRunner("decode-0", "decode", {}, pacer=StreamPacer(100.0))
         runner.llm = FakeLLM()
         params = encode_sampling(SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
-        for priority in (-4, 0, 2**63 - 1):
-            deltas = [d async for d in runner.generate(EngineRequest(f"r{priority}", [1, 2], params, None, priority=priority))]
+        for i, (tags, _) in enumerate(cases):
+            deltas = [d async for d in runner.generate(EngineRequest(f"r{i}", [1, 2], params, None, **tags))]
             assert [d.token_ids for d in deltas] == [[7]]
 
     asyncio.run(main())
-    assert given == [-4, 0, 2**63 - 1]
+    assert given == [expected for _, expected in cases]
 
 
 @pytest.mark.parametrize(
