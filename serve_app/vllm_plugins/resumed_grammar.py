@@ -17,10 +17,11 @@ it reads only the router's mark, which clients cannot send (``router.parsing.RES
 Ascend engines load it too (vllm-ascend keeps vLLM's scheduler side).
 
 With a reasoning parser in the engine (``structured_outputs_config.reasoning_parser``), the
-earlier output may hold reasoning the grammar never saw, and where it ends is the parser's
-business: the plugin stands aside and the resumed attempt's grammar starts over (README, Limits),
-unless the thinking was over before the first token (``reasoning_ended``: the client hid it, and
-the grammar held from the start, as without a parser).
+grammar held only from the end of thinking, so only the earlier output after that end (found by
+the request's own reasoning parser) advances it; where the thinking had not ended, the grammar
+starts where it ends in this attempt, as in the uninterrupted run. Where the thinking was over
+before the first token (``reasoning_ended``: the client hid it, or the template turned it off),
+all the earlier output is the grammar's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ _MANAGER = "vllm.v1.structured_output.StructuredOutputManager"
 SYMBOLS = (
     f"{_MANAGER}._create_grammar",
     f"{_MANAGER}.reasoner_cls",
+    f"{_MANAGER}._get_reasoner",
+    "vllm.reasoning.abs_reasoning_parsers.ReasoningParser.is_reasoning_end",
+    "vllm.reasoning.abs_reasoning_parsers.ReasoningParser.extract_content_ids",
     "vllm.v1.request.Request.structured_output_request",
     "vllm.v1.structured_output.request.StructuredOutputRequest.reasoning_ended",
     "vllm.v1.structured_output.backend_types.StructuredOutputGrammar.accept_tokens",
@@ -79,6 +83,23 @@ def _thinking_over(request: Any) -> bool:
     return getattr(structured, "reasoning_ended", None) is True
 
 
+def _after_thinking(manager: Any, request: Any, earlier: list[int]) -> list[int]:
+    """The part of the earlier output the grammar saw: what followed the end of thinking, found
+    by the request's own reasoning parser (the engine's gate finds that end in the resumed prompt
+    and holds the grammar from the attempt's first token). None of it where the thinking had not
+    ended: the grammar then holds from its end in this attempt, as in the uninterrupted run."""
+    try:
+        reasoner = manager._get_reasoner(request)
+        if reasoner is None or not reasoner.is_reasoning_end(earlier):
+            return []
+        return list(reasoner.extract_content_ids(earlier))
+    except Exception:
+        logger.exception(
+            "structured output: request %s resumes with a grammar that starts over (its reasoning parser failed)", request.request_id
+        )
+        return []
+
+
 def advancing_by_earlier_output(create_grammar: Any) -> Any:
     """``StructuredOutputManager._create_grammar``, then the new matcher advanced by a resumed
     attempt's earlier output."""
@@ -89,11 +110,9 @@ def advancing_by_earlier_output(create_grammar: Any) -> Any:
         if not earlier:
             return grammar
         if self.reasoner_cls is not None and not getattr(self, "enable_in_reasoning", False) and not _thinking_over(request):
-            logger.warning(
-                "structured output: request %s resumes with a grammar that starts over (a reasoning parser is configured)",
-                request.request_id,
-            )
-            return grammar
+            earlier = _after_thinking(self, request, earlier)
+            if not earlier:
+                return grammar
         # Raising here would end the engine core on vLLM 0.23 (its scheduler reads the compiled
         # grammar's future unguarded), so nothing does. The earlier tokens were sampled under this
         # grammar, one by one, and so are they taken: once it has ended (``ignore_eos`` samples on

@@ -42,10 +42,16 @@ def backend(tiny_tokenizer):
 class Manager:
     """The part of ``StructuredOutputManager`` the patched method sees."""
 
-    def __init__(self, backend, reasoner_cls=None, enable_in_reasoning=False):
+    def __init__(self, backend, reasoner_cls=None, enable_in_reasoning=False, reasoner=None):
         self.backend = backend
         self.reasoner_cls = reasoner_cls
         self.enable_in_reasoning = enable_in_reasoning
+        self.reasoner = reasoner
+
+    def _get_reasoner(self, request):
+        if isinstance(self.reasoner, Exception):
+            raise self.reasoner
+        return self.reasoner
 
     def _create_grammar(self, request):
         return self.backend.compile_grammar(StructuredOutputOptions.JSON, json.dumps(SCHEMA))
@@ -138,13 +144,45 @@ def test_earlier_output_past_the_grammars_end_is_no_bug(backend, output, caplog)
     assert grammar.is_terminated() and "refused" not in caplog.text
 
 
-def test_with_a_reasoning_parser_the_plugin_stands_aside(backend, output, caplog):
+@pytest.fixture(scope="module")
+def qwen3(tiny_tokenizer):
+    """vLLM's own qwen3 reasoning parser, on the tiny tokenizer with its <think> tokens added (it
+    has none), and the end token's id."""
+    from transformers import AutoTokenizer
+    from vllm.reasoning import ReasoningParserManager
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    assert end >= len(tiny_tokenizer)
+    return ReasoningParserManager.get_reasoning_parser("qwen3")(tokenizer), end
+
+
+def test_with_a_reasoning_parser_only_the_output_after_the_thinking_advances_the_grammar(backend, output, qwen3, caplog):
+    """The grammar held from the end of thinking: the request's reasoning parser finds it in the
+    earlier output, and what followed advances the new matcher; where the thinking had not
+    ended, the matcher starts where this attempt's thinking will end, as in the uninterrupted run."""
+    reasoner, end = qwen3
     create = advancing_by_earlier_output(Manager._create_grammar)
     start = allowed(Manager(backend)._create_grammar(None), backend.vocab_size)
-    grammar = create(Manager(backend, reasoner_cls=object), request(PROMPT + output[:3], mark=3))
+    thought = [40, 41, 42, 43]
+    manager = Manager(backend, reasoner_cls=object, reasoner=reasoner)
+    for k in (1, 3, len(output) - 1):
+        earlier = thought + [end] + output[:k]
+        resumed = create(manager, request(PROMPT + earlier, mark=len(earlier)))
+        uninterrupted = Manager(backend)._create_grammar(None)
+        assert uninterrupted.accept_tokens("r-1", output[:k])
+        assert torch.equal(allowed(resumed, backend.vocab_size), allowed(uninterrupted, backend.vocab_size)), k
+    # Still thinking when the attempt ended: the grammar has seen nothing yet.
+    still = create(manager, request(PROMPT + thought, mark=len(thought)))
+    assert torch.equal(allowed(still, backend.vocab_size), start)
+    assert "starts over" not in caplog.text and "refused" not in caplog.text
+    # A parser that fails: the grammar starts over, and the log says so.
+    broken = Manager(backend, reasoner_cls=object, reasoner=RuntimeError("no"))
+    grammar = create(broken, request(PROMPT + thought + [end] + output[:3], mark=8))
     assert torch.equal(allowed(grammar, backend.vocab_size), start)
-    assert "starts over (a reasoning parser is configured)" in caplog.text
-    # With the grammar applied during reasoning too, the earlier output is the grammar's.
+    assert "starts over (its reasoning parser failed)" in caplog.text
+    # With the grammar applied during reasoning too, all the earlier output is the grammar's.
     grammar = create(Manager(backend, reasoner_cls=object, enable_in_reasoning=True), request(PROMPT + output[:3], mark=3))
     assert not torch.equal(allowed(grammar, backend.vocab_size), start)
     # With the thinking over before the first token (the client hid it: reasoning_ended), too.
