@@ -2,7 +2,7 @@
 where the engines schedule by priority (``scheduling_policy: priority``) both engines of every
 attempt get it, a resumed one too; where they serve first come, first served, anything but 0 is
 refused rather than dropped. That the engines order their queues by it is
-tests/integration/test_priority.py's (a real vLLM engine)."""
+tests/integration/test_request_tags.py's (real vLLM engines)."""
 
 from __future__ import annotations
 
