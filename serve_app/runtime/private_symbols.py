@@ -385,23 +385,17 @@ _ENTRIES: tuple[Symbol, ...] = (
         BOTH,
         params=("(self, request)",),
     ),
-    Symbol(
-        "vllm.reasoning.abs_reasoning_parsers",
-        "ReasoningParser.is_reasoning_end",
-        "vllm",
-        READ,
-        "serve_app/vllm_plugins/resumed_grammar.py",
-        BOTH,
-        params=("(self, input_ids)",),
-    ),
-    Symbol(
-        "vllm.reasoning.abs_reasoning_parsers",
-        "ReasoningParser.extract_content_ids",
-        "vllm",
-        READ,
-        "serve_app/vllm_plugins/resumed_grammar.py",
-        BOTH,
-        params=("(self, input_ids)",),
+    *(
+        Symbol(
+            "vllm.reasoning.abs_reasoning_parsers",
+            f"ReasoningParser.{name}",
+            "vllm",
+            READ,
+            "serve_app/vllm_plugins/resumed_grammar.py",
+            BOTH,
+            params=("(self, input_ids)",),
+        )
+        for name in ("is_reasoning_end", "extract_content_ids")
     ),
     Symbol(
         "vllm.v1.request",
