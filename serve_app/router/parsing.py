@@ -311,10 +311,11 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
     if route == "chat" and ctx.reasoning_parser is not None:
         include = bool(getattr(request, "include_reasoning", True))
         reasoning = ReasoningSplit(ctx.reasoning_parser, request, ctx.parser_tokenizer, parser_kwargs, include=include)
+    parser = None  # the reply parser the request was adjusted for (vLLM's server reads the prompt with it too)
     if isinstance(tool_choice, AutoCalls):
-        _adjust_for_parser(tool_choice.new_parser, request)
+        parser = _adjust_for_parser(tool_choice.new_parser, request)
     elif reasoning is not None:
-        _adjust_for_parser(reasoning.new_parser, request)
+        parser = _adjust_for_parser(reasoning.new_parser, request)
     # Hidden reasoning: no token ids or logprobs either, which would spell it out (as vLLM's server).
     hide_tokens = reasoning is not None and not reasoning.include
 
@@ -382,7 +383,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
         min_tokens=int(request.min_tokens or 0),
         logprobs=None if hide_tokens else logprobs,
         return_token_ids=bool(request.return_token_ids) and not hide_tokens,
-        tags=RequestTags(request.cache_salt, priority, **_reasoning_tags(route, reasoning, parser_kwargs, samples[0][0])),
+        tags=RequestTags(request.cache_salt, priority, **_reasoning_tags(reasoning, parser, parser_kwargs, samples[0][0])),
         tool_choice=tool_choice,
         reasoning=reasoning,
         n=n,
@@ -476,7 +477,7 @@ def _client_request_id(header_id: str | None, request: Any) -> str | None:
     return client_id
 
 
-def _reasoning_tags(route: Route, reasoning: ReasoningSplit | None, parser_kwargs: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+def _reasoning_tags(reasoning: ReasoningSplit | None, parser: Any, parser_kwargs: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
     """What vLLM's server tells a reasoning model's engine of a chat request (where the decode
     engines have a reasoning parser): the template's variables, which its parser reads (whether
     thinking is on, e.g.), and whether the thinking is over before the first output token: where
@@ -485,11 +486,11 @@ def _reasoning_tags(route: Route, reasoning: ReasoningSplit | None, parser_kwarg
     earlier output (vllm_plugins/resumed_grammar.py). Else None, where vLLM's server says False:
     the engine reads the prompt itself, which on a resumed attempt holds the earlier output, and
     with it the end of thinking the engine would otherwise never see."""
-    if route != "chat" or reasoning is None:
+    if reasoning is None:  # (a chat request's, where the decode engines have a reasoning parser)
         return {}
     if _out_of_range(parser_kwargs):  # they travel to the engine in msgpack, as its numbers do
         raise bad_request(f"chat_template_kwargs holds a number outside {INT_RANGE[0]}..{INT_RANGE[1]}", param="chat_template_kwargs")
-    over = not reasoning.include or bool(reasoning.new_parser().is_reasoning_end(prompt))
+    over = not reasoning.include or bool(parser.is_reasoning_end(prompt))
     return {"reasoning_ended": True if over else None, "reasoning_parser_kwargs": {"chat_template_kwargs": dict(parser_kwargs)}}
 
 
@@ -536,7 +537,7 @@ def _nth_sample(params: Any, i: int) -> Any:
     return sample
 
 
-def _adjust_for_parser(new_parser: Callable[[], Any], request: Any) -> None:
+def _adjust_for_parser(new_parser: Callable[[], Any], request: Any) -> Any:
     """What the model's reply parsers change in the request before its sampling parameters are
     built, as on vLLM's server: e.g. hermes keeps special tokens in the text (its call markers may
     be special tokens), and vLLM 0.32's tool parsers for formats xgrammar knows hold a call's
@@ -547,6 +548,7 @@ def _adjust_for_parser(new_parser: Callable[[], Any], request: Any) -> None:
         parser.adjust_request(request)
     except (*_client_errors(), ValueError, TypeError, KeyError) as exc:
         raise bad_request(f"Invalid request for this model's reply format: {exc}", param="tools" if request.tools else None) from None
+    return parser
 
 
 def _refuse_reserved(body: dict[str, Any]) -> None:
