@@ -160,6 +160,7 @@ class ParsedRequest:
     stops: list[str]
     include_stop_str_in_output: bool
     skip_special_tokens: bool
+    spaces_between_special_tokens: bool
     min_tokens: int
     logprobs: int | None  # top-k per token; None when not requested
     return_token_ids: bool
@@ -380,6 +381,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
         stops=stops,
         include_stop_str_in_output=bool(request.include_stop_str_in_output),
         skip_special_tokens=bool(request.skip_special_tokens),
+        spaces_between_special_tokens=bool(request.spaces_between_special_tokens),
         min_tokens=int(request.min_tokens or 0),
         logprobs=None if hide_tokens else logprobs,
         return_token_ids=bool(request.return_token_ids) and not hide_tokens,
@@ -741,8 +743,6 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
     # hear that it is not there.
     if getattr(request, "logprob_token_ids", None) is not None:  # vLLM 0.23 (Ascend) has no such field
         refuse("logprob_token_ids", "logprob_token_ids")
-    if not request.spaces_between_special_tokens:  # the router's detokenizer always spaces them
-        refuse("spaces_between_special_tokens", "spaces_between_special_tokens=false")
     for name in ("return_token_offsets", "return_prompt_text"):  # newer vLLMs' fields
         if getattr(request, name, None):
             refuse(name, name)

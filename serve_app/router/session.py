@@ -66,7 +66,7 @@ class ResponseSession:
             prompt_token_ids=request.prompt_token_ids,
             max_tokens=request.max_tokens,
             max_attempts=max_attempts,
-            text=DecodeTextStream(tokenizer, request.prompt_token_ids, request.skip_special_tokens),
+            text=DecodeTextStream(tokenizer, request.prompt_token_ids, request.skip_special_tokens, request.spaces_between_special_tokens),
             stops=StopMatcher(request.stops, request.include_stop_str_in_output),
             min_tokens=request.min_tokens,
             logprobs=request.logprobs is not None,

@@ -67,13 +67,24 @@ class TextStream(Protocol):
 
 
 class DecodeTextStream:
-    """Incremental detokenizer over a Hugging Face fast tokenizer (tokenizers' DecodeStream)."""
+    """Incremental detokenizer over a Hugging Face fast tokenizer (tokenizers' DecodeStream).
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    ``spaces_between_special_tokens=False`` (with special tokens shown) writes an added token
+    that follows another as its bare content, without the space the tokenizer's decoder puts
+    between them, as vLLM's engine's fast detokenizer does (``FastIncrementalDetokenizer``): the
+    first added token of a run, the prompt's last token notwithstanding, keeps what the decoder
+    gives it."""
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._backend = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # Added tokens by id (their bare text), where their runs are written without spaces.
+        self._added: dict[int, str] = {} if skip_special_tokens or spaces_between_special_tokens else added_tokens(self._backend)
+        self._last_added = False
         self._new_stream = lambda ids=None: (
             DecodeStream(ids=ids, skip_special_tokens=skip_special_tokens)
             if ids is not None
@@ -82,6 +93,15 @@ class DecodeTextStream:
         self._stream = self._new_stream(priming_ids(self._backend, prompt_token_ids, skip_special_tokens))
 
     def push(self, token_id: int) -> str:
+        text = self._step(token_id)
+        if self._added:
+            added = self._added.get(token_id)
+            if added is not None and self._last_added:
+                text = added
+            self._last_added = added is not None
+        return text
+
+    def _step(self, token_id: int) -> str:
         try:
             return self._stream.step(self._backend, token_id) or ""
         except Exception as exc:  # tokenizers' rare non-monotonic UTF-8 state; restart as vLLM does
@@ -90,6 +110,14 @@ class DecodeTextStream:
             logger.warning("decode stream reset after an invalid prefix")
             self._stream = self._new_stream()
             return self._stream.step(self._backend, token_id) or ""
+
+
+@functools.cache
+def added_tokens(backend: Any) -> dict[int, str]:
+    """A tokenizers backend's added tokens (special or not), id to content: what vLLM's fast
+    detokenizer writes without spaces between them. Cached per tokenizer: it is read once per
+    request that asks."""
+    return {token_id: token.content for token_id, token in backend.get_added_tokens_decoder().items()}
 
 
 class PromptEncoder:

@@ -79,7 +79,6 @@ HOSTILE = {
     "truncate_prompt_tokens to nothing": ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     "priority": ({"priority": 1}, "priority"),
     "logprob_token_ids": ({"logprob_token_ids": [5]}, "logprob_token_ids"),
-    "spaces_between_special_tokens": ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     "return_token_offsets": ({"return_token_offsets": True}, "return_token_offsets"),
     # Inside msgpack's range but outside the vocabulary: vLLM's own checks, before any engine.
     "logit_bias key outside the vocabulary": ({"logit_bias": {"1000000": 1.0}}, "logit_bias"),

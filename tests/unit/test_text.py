@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from serve_app.router.text import DecodeTextStream, StopMatcher, token_piece
 
 
@@ -157,3 +159,103 @@ def test_a_tokens_logprob_text_is_the_installed_vllms():
     assert tokenizer.decode([2]) == "river"
     want = " river" if hasattr(detokenizer_utils, "get_leading_space_marker") else "river"
     assert [token_piece(tokenizer, i) for i in (2, 3)] == [want, "s"]
+
+
+def _vllms_fast_detokenizer(tokenizer, prompt: list[int], skip: bool, spaces: bool):
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+    params = SamplingParams(skip_special_tokens=skip, spaces_between_special_tokens=spaces, detokenize=True)
+    request = EngineCoreRequest("r", list(prompt), None, params, None, 0.0, None, None, None)
+    return FastIncrementalDetokenizer(tokenizer, request)
+
+
+def _with_wordpiece_decoder(tokenizer):
+    """The tiny tokenizer with a decoder that spaces tokens apart (BERT's WordPiece): its own
+    ByteLevel decoder writes added tokens without spaces, so the option would change nothing."""
+    from tokenizers import Tokenizer, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(tokenizer._tokenizer.to_str())
+    backend.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.mark.parametrize("decoder", ["byte-level", "wordpiece"])
+def test_spaces_between_special_tokens_false_writes_runs_of_added_tokens_as_vllms_engine(tiny_tokenizer, decoder):
+    """With special tokens shown and ``spaces_between_special_tokens: false``, each piece is what
+    vLLM's engine's own fast detokenizer gives for the same prompt and output: added tokens that
+    follow one another are written bare, without the space a decoder like WordPiece's puts
+    between them."""
+    import random
+
+    tokenizer = tiny_tokenizer if decoder == "byte-level" else _with_wordpiece_decoder(tiny_tokenizer)
+    added = sorted(tokenizer._tokenizer.get_added_tokens_decoder())
+    assert len(added) > 2
+    text_ids = tokenizer.encode(" the river ran past the mill", add_special_tokens=False)
+    rng = random.Random(1)
+    differs = 0
+    for _ in range(100):
+        prompt = [rng.choice(added + text_ids) for _ in range(rng.randrange(1, 12))]
+        output = [rng.choice(added) if rng.random() < 0.6 else rng.choice(text_ids) for _ in range(30)]
+        pieces = {}
+        for spaces in (False, True):
+            reference = _vllms_fast_detokenizer(tokenizer, prompt, skip=False, spaces=spaces)
+            expected = [reference.decode_next(t) for t in output]
+            stream = DecodeTextStream(tokenizer, prompt, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+            assert [stream.push(t) for t in output] == expected
+            pieces[spaces] = "".join(expected)
+        differs += pieces[False] != pieces[True]
+    # Where the decoder spaces tokens, the option changes the text (so the comparison above tells
+    # the two apart); where it does not, it changes nothing, as on vLLM's engine.
+    assert differs > 50 if decoder == "wordpiece" else differs == 0
+
+
+def test_spaces_between_special_tokens_is_moot_where_special_tokens_are_skipped(tiny_tokenizer):
+    prompt = tiny_tokenizer.encode("The river")
+    ids = [3, 4, *tiny_tokenizer.encode(" ran", add_special_tokens=False), 5, 6]
+    plain = DecodeTextStream(tiny_tokenizer, prompt)
+    unspaced = DecodeTextStream(tiny_tokenizer, prompt, spaces_between_special_tokens=False)
+    assert [unspaced.push(t) for t in ids] == [plain.push(t) for t in ids]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_spaces_between_special_tokens_over_http(tiny_tokenizer, stream):
+    """A request's ``spaces_between_special_tokens`` reaches its text: with the mock engine
+    made to write added tokens only, and a tokenizer whose decoder spaces tokens apart, the reply
+    is the tokens' bare contents run together where the client turns the spaces off, and vLLM's
+    engine's text for the same tokens either way."""
+    import json
+    from unittest import mock
+
+    from serve_app.engines import mock_runner
+    from tests.support.inprocess import run_http
+
+    tokenizer = _with_wordpiece_decoder(tiny_tokenizer)
+    added = sorted(tokenizer._tokenizer.get_added_tokens_decoder())[3:]  # not <unk>, <s>, </s>: no stop
+    prompt = [11, 12, 13]
+
+    async def body(app, client) -> None:
+        for spaces in (True, False):
+            request = {"prompt": prompt, "max_tokens": 6, "stream": stream, "return_token_ids": True}
+            response = await client.post(
+                "/v1/completions", json={**request, "skip_special_tokens": False, "spaces_between_special_tokens": spaces}
+            )
+            assert response.status_code == 200, response.text
+            if stream:
+                chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+                text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+                ids = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or ()]
+            else:
+                choice = response.json()["choices"][0]
+                text, ids = choice["text"], choice["token_ids"]
+            assert len(ids) == 6 and set(ids) <= set(added)
+            reference = _vllms_fast_detokenizer(tokenizer, prompt, skip=False, spaces=spaces)
+            assert text == "".join(reference.decode_next(t) for t in ids)
+            # Bare contents after the first token (which keeps the decoder's space after the prompt), or spaced.
+            contents = tokenizer.convert_ids_to_tokens(ids)
+            assert text == (" " + "".join(contents) if not spaces else "".join(" " + c for c in contents))
+
+    with mock.patch.object(mock_runner, "_next", lambda last, before, length: added[length % len(added)]):
+        run_http(body, tokenizer)
