@@ -46,6 +46,7 @@ class ResponseFramer:
         self._role_sent = False
         self._text_offset = 0
         self._prompt_ids_sent = False
+        self._prompt_text_sent = False
         self._call_opened = False  # a named tool choice's call: its first delta sent
         self._required: RequiredCallsStream | None = None  # a required tool choice's calls so far
         self._parser: Any = None  # vLLM's reply parser (auto tool calls, reasoning), with the stream's state
@@ -55,6 +56,14 @@ class ResponseFramer:
         self._reasoning_counter: Any = None  # a parser kept for counting the reply's thinking
         # The chunks of the latest ``chunks`` that open a chat reply (its role, its echo): before any output.
         self.opening_chunks = 0
+
+    def _prompt_text_once(self) -> str | None:
+        """A chat reply's ``prompt_text`` for each choice's first chunk, as vLLM's server sends it
+        (beside the prompt's token ids), None for every other chunk."""
+        if self.request.prompt_text is None or self._prompt_text_sent:
+            return None
+        self._prompt_text_sent = True
+        return self.request.prompt_text
 
     def _prompt_ids_once(self) -> list[int] | None:
         """The prompt's token ids for each choice's first chunk (``return_token_ids``, as vLLM's
@@ -265,6 +274,7 @@ class ResponseFramer:
             model=self.request.model,
             choices=[choice],
             prompt_token_ids=self._prompt_ids_once(),
+            prompt_text=self._prompt_text_once(),
         )
         return _dump(chunk, keep_choice_keys=("finish_reason",))
 
@@ -306,6 +316,7 @@ class ResponseFramer:
                 choices=[choice],
                 usage=use,
                 prompt_token_ids=prompt_ids,
+                prompt_text=self.request.prompt_text,
             )
         else:
             from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice

@@ -186,6 +186,9 @@ class ParsedRequest:
     # prompt's logprobs too (``sampling_params.prompt_logprobs``).
     echo: str | None = None
     echo_only: bool = False  # a completion's echo with max_tokens 0: the prompt alone (as vLLM's server)
+    # A chat request's ``return_prompt_text``: the conversation as the template rendered it, which
+    # the reply carries (each choice's first chunk of a stream); None where not asked for.
+    prompt_text: str | None = None
     # vLLM's ``prompt_logprobs`` field of the reply (each prompt token's logprob, rank and text,
     # with the top k): k, or None where the reply has no such field.
     prompt_logprobs: int | None = None
@@ -323,12 +326,16 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
     n = 1 if request.n is None else request.n
     if route == "chat":
         _check_choices(1, n, ctx)  # before the template runs
-        prompts = [_chat_prompt_ids(request, ctx)]
+        rendered, prompt_ids = _chat_prompt(request, ctx)
+        prompts = [prompt_ids]
+        # vLLM's return_prompt_text (0.32): the rendered conversation, whole, however it is truncated.
+        prompt_text = rendered if declared(request, "return_prompt_text") else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         prompts = _completion_prompts(request, ctx)
+        prompt_text = None
         max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
         logprobs = request.logprobs
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -392,6 +399,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
         count=len(samples) * n,
         echo=echoes[0],
         echo_only=echo_only,
+        prompt_text=prompt_text,
         prompt_logprobs=shown,
         prompt_logprob_entries=logprob_entries(samples[0][0]),
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
@@ -743,9 +751,8 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
     # hear that it is not there.
     if getattr(request, "logprob_token_ids", None) is not None:  # vLLM 0.23 (Ascend) has no such field
         refuse("logprob_token_ids", "logprob_token_ids")
-    for name in ("return_token_offsets", "return_prompt_text"):  # newer vLLMs' fields
-        if getattr(request, name, None):
-            refuse(name, name)
+    if getattr(request, "return_token_offsets", None):  # vLLM's /render endpoints' field (which the router does not serve)
+        refuse("return_token_offsets", "return_token_offsets")
     if route == "completions":
         if request.suffix is not None:
             refuse("suffix", "suffix")
@@ -894,14 +901,15 @@ def declared(request: Any, name: str) -> Any:
     return getattr(request, name) if name in type(request).model_fields else None
 
 
-def _chat_prompt_ids(request: Any, ctx: ModelContext) -> list[int]:
+def _chat_prompt(request: Any, ctx: ModelContext) -> tuple[str, list[int]]:
+    """The conversation rendered by the chat template, and its token ids."""
     # (a prompt to truncate may be longer than the context)
     text = chat_prompt_text(request, ctx, bounded=request.truncate_prompt_tokens is None)
     # The template writes the special tokens (BOS) itself.
     ids = ctx.encode(text, request.add_special_tokens)
     if not ids:
         raise bad_request("The rendered prompt is empty", param="messages")
-    return ids
+    return text, ids
 
 
 def chat_prompt_text(request: Any, ctx: ModelContext, *, bounded: bool) -> str:

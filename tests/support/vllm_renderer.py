@@ -42,6 +42,15 @@ def tokenization(model_name: str, max_model_len: int) -> Any:
 
 async def chat_prompt_ids(online: Any, body: dict[str, Any]) -> list[int]:
     """The prompt token ids vLLM's server gives its engine for a chat completion request."""
+    return list((await chat_engine_input(online, body))["prompt_token_ids"])
+
+
+async def chat_prompt_text(online: Any, body: dict[str, Any]) -> str:
+    """The rendered prompt vLLM's server shows for ``return_prompt_text`` (its output's ``prompt``)."""
+    return (await chat_engine_input(online, body))["prompt"]
+
+
+async def chat_engine_input(online: Any, body: dict[str, Any]) -> dict[str, Any]:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     request = ChatCompletionRequest(**body)
@@ -54,4 +63,4 @@ async def chat_prompt_ids(online: Any, body: dict[str, Any]) -> list[int]:
         default_template_kwargs={},
         tool_dicts=tools,
     )
-    return list(inputs[0]["prompt_token_ids"])
+    return dict(inputs[0])

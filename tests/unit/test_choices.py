@@ -148,6 +148,29 @@ def test_chat_n_streams_each_choice_with_its_role_and_the_prompt(tiny_tokenizer)
     run(body, args(), tiny_tokenizer)
 
 
+def test_chat_return_prompt_text_comes_with_each_choices_role_and_once_in_a_reply(tiny_tokenizer):
+    """vLLM's ``return_prompt_text`` (0.32): streamed, the rendered prompt comes with each
+    choice's first chunk, as the prompt's token ids do; in a whole reply, once at its top."""
+    pytest.importorskip("vllm.renderers.online_renderer", reason="vLLM 0.23 has no return_prompt_text")
+
+    async def body(app: App) -> None:
+        request = {"messages": MESSAGES, "max_tokens": 4, "n": 2, "temperature": 1.0, "return_prompt_text": True, "stream": True}
+        rendered = tiny_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+        status, events = await body_of(await app.service.http("chat", json.dumps(request).encode()))
+        assert status == 200 and events[-1] == "[DONE]"
+        chunks = [e["choices"][0] | {"text": e.get("prompt_text")} for e in events if isinstance(e, dict)]
+        for index in (0, 1):
+            mine = [c for c in chunks if c["index"] == index]
+            assert mine[0]["delta"]["role"] == "assistant" and mine[0]["text"] == rendered
+            assert not any(c["text"] for c in mine[1:])
+        status, data = await body_of(await app.service.http("chat", json.dumps({**request, "stream": False}).encode()))
+        assert status == 200 and data["prompt_text"] == rendered and len(data["choices"]) == 2
+        status, data = await body_of(await app.service.http("chat", json.dumps({**request, "return_prompt_text": False}).encode()))
+        assert status == 200 and not any("prompt_text" in e for e in data if isinstance(e, dict))
+
+    run(body, args(), tiny_tokenizer)
+
+
 def test_named_tool_calls_get_an_id_per_choice(tiny_tokenizer):
     async def body(app: App) -> None:
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -339,6 +339,26 @@ def test_retrieval_documents_reach_the_chat_template_as_on_vllms_server(tiny_tok
     assert ("[Mill] The mill stood by the river." in tiny_tokenizer.decode(ids)) is trusted
 
 
+@pytest.mark.parametrize("truncate", [None, 4])
+def test_return_prompt_text_is_the_conversation_vllms_renderer_shows(tiny_tokenizer, truncate):
+    """A chat request's ``return_prompt_text``: the rendered conversation, as vLLM's server shows
+    it (whole, where ``truncate_prompt_tokens`` cuts its tokens); none unless asked for."""
+    pytest.importorskip("vllm.renderers.online_renderer", reason="vLLM 0.23 has no return_prompt_text")
+    import asyncio
+
+    from tests.support import vllm_renderer
+
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où est la gare ?"}], "max_tokens": 4}
+    if truncate is not None:
+        body["truncate_prompt_tokens"] = truncate
+    ctx = ModelContext(name="m", aliases=frozenset(), max_model_len=256, vocab_size=1024, tokenizer=tiny_tokenizer)
+    assert parse_request("chat", body, ctx).prompt_text is None
+    parsed = parse_request("chat", {**body, "return_prompt_text": True}, ctx)
+    expected = asyncio.run(vllm_renderer.chat_prompt_text(vllm_renderer.online_renderer(256), body))
+    assert parsed.prompt_text == expected and "Où est la gare ?" in expected
+    assert len(parsed.prompt_token_ids) == (truncate or len(tiny_tokenizer.encode(expected, add_special_tokens=False)))
+
+
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 TURN_CALL = {"role": "assistant", "content": None, "tool_calls": [CALL]}
 
