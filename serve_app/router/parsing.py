@@ -749,7 +749,9 @@ def _reject_unsupported(route: Route, request: Any, ctx: ModelContext) -> None:
         refuse("use_beam_search", "Beam search")
     # vLLM's own fields the router would otherwise accept and drop: a client relying on one must
     # hear that it is not there.
-    if getattr(request, "logprob_token_ids", None) is not None:  # vLLM 0.23 (Ascend) has no such field
+    # vLLM 0.32's sampler gives every other request of the step that asks for top logprobs a
+    # lone -inf entry instead (docs/security.md); vLLM 0.23 (Ascend) has no such field.
+    if getattr(request, "logprob_token_ids", None) is not None:
         refuse("logprob_token_ids", "logprob_token_ids")
     if getattr(request, "return_token_offsets", None):  # vLLM's /render endpoints' field (which the router does not serve)
         refuse("return_token_offsets", "return_token_offsets")
