@@ -328,7 +328,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
         _check_choices(1, n, ctx)  # before the template runs
         rendered, prompt_ids = _chat_prompt(request, ctx)
         prompts = [prompt_ids]
-        # vLLM's return_prompt_text (0.32): the rendered conversation, whole, however it is truncated.
+        # vLLM's return_prompt_text: the rendered conversation, whole, however it is truncated.
         prompt_text = rendered if declared(request, "return_prompt_text") else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"

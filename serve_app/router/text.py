@@ -210,11 +210,14 @@ class StopMatcher:
 
 def priming_ids(backend: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
     """The shortest suffix of the prompt, of at least ``PRIMING_MIN_TOKENS`` tokens, that decodes
-    to whole characters (no U+FFFD: it does not begin inside a multi-byte character); the whole
-    prompt if none up to ``PRIMING_MAX_TOKENS`` does."""
+    to whole characters (no U+FFFD: it does not begin inside a multi-byte character) and to some
+    text (a suffix of skipped special tokens decodes to none, and a decoder that strips the
+    text's start, as Llama 2's does, would then strip the first output token's leading space,
+    which the whole prompt keeps); the whole prompt if none up to ``PRIMING_MAX_TOKENS`` does."""
     ids = list(prompt_token_ids)
     for n in range(PRIMING_MIN_TOKENS, min(len(ids), PRIMING_MAX_TOKENS) + 1):
         suffix = ids[-n:]
-        if "\ufffd" not in backend.decode(suffix, skip_special_tokens=skip_special_tokens):
+        text = backend.decode(suffix, skip_special_tokens=skip_special_tokens)
+        if text and "\ufffd" not in text:
             return suffix
     return ids

@@ -149,9 +149,8 @@ def test_chat_n_streams_each_choice_with_its_role_and_the_prompt(tiny_tokenizer)
 
 
 def test_chat_return_prompt_text_comes_with_each_choices_role_and_once_in_a_reply(tiny_tokenizer):
-    """vLLM's ``return_prompt_text`` (0.32): streamed, the rendered prompt comes with each
+    """vLLM's ``return_prompt_text``: streamed, the rendered prompt comes with each
     choice's first chunk, as the prompt's token ids do; in a whole reply, once at its top."""
-    pytest.importorskip("vllm.renderers.online_renderer", reason="vLLM 0.23 has no return_prompt_text")
 
     async def body(app: App) -> None:
         request = {"messages": MESSAGES, "max_tokens": 4, "n": 2, "temperature": 1.0, "return_prompt_text": True, "stream": True}

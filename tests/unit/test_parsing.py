@@ -343,7 +343,7 @@ def test_retrieval_documents_reach_the_chat_template_as_on_vllms_server(tiny_tok
 def test_return_prompt_text_is_the_conversation_vllms_renderer_shows(tiny_tokenizer, truncate):
     """A chat request's ``return_prompt_text``: the rendered conversation, as vLLM's server shows
     it (whole, where ``truncate_prompt_tokens`` cuts its tokens); none unless asked for."""
-    pytest.importorskip("vllm.renderers.online_renderer", reason="vLLM 0.23 has no return_prompt_text")
+    pytest.importorskip("vllm.renderers.online_renderer", reason="vLLM 0.23 builds its renderer over an engine client")
     import asyncio
 
     from tests.support import vllm_renderer

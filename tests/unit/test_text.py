@@ -77,27 +77,46 @@ def test_multibyte_characters_wait_for_their_last_token(tiny_tokenizer):
     assert "" in pieces
 
 
-def test_stream_primed_with_a_prompt_suffix_decodes_as_one_primed_with_the_whole_prompt(tiny_tokenizer):
+def _with_stripping_decoder(tokenizer):
+    """The tiny tokenizer with a decoder that strips the text's first space, as Llama 2's,
+    Mistral's and TinyLlama's decoders end (``Strip(" ", 1, 0)``)."""
+    from tokenizers import Tokenizer, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(tokenizer._tokenizer.to_str())
+    backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.mark.parametrize("decoder", ["byte-level", "stripping"])
+def test_stream_primed_with_a_prompt_suffix_decodes_as_one_primed_with_the_whole_prompt(tiny_tokenizer, decoder):
     """The stream is primed with a short suffix of the prompt (priming_ids); for any prompt and
-    output, even random byte-level ids with characters split across tokens, it yields the same
-    pieces as a stream primed with every prompt token."""
+    output, even random byte-level ids with characters split across tokens, or a prompt that ends
+    in special tokens (which the suffix skips), it yields the same pieces as a stream primed with
+    every prompt token, as vLLM's engine primes it."""
     import random
 
     from tokenizers.decoders import DecodeStream
 
     from serve_app.router.text import PRIMING_MAX_TOKENS, priming_ids
 
-    backend = tiny_tokenizer._tokenizer
+    tokenizer = tiny_tokenizer if decoder == "byte-level" else _with_stripping_decoder(tiny_tokenizer)
+    backend = tokenizer._tokenizer
     vocab = backend.get_vocab_size()
+    special = sorted(backend.get_added_tokens_decoder())
+    words = tokenizer.encode(" the river ran past the mill", add_special_tokens=False)
     rng = random.Random(0)
     primed_short = 0
-    for _ in range(200):
+    for case in range(300):
         prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 300))]
         output = [rng.randrange(vocab) for _ in range(40)]
+        if case % 3 == 0:  # text, then a run of special tokens at the prompt's end; text out
+            prompt = [*words, *(rng.choice(special) for _ in range(rng.randrange(1, 30)))]
+            output = words
         whole = DecodeStream(ids=list(prompt), skip_special_tokens=True)
         expected = [whole.step(backend, t) or "" for t in output]
-        stream = DecodeTextStream(tiny_tokenizer, prompt)
-        assert [stream.push(t) for t in output] == expected
+        stream = DecodeTextStream(tokenizer, prompt)
+        assert [stream.push(t) for t in output] == expected, prompt
         primed_short += len(priming_ids(backend, prompt)) <= PRIMING_MAX_TOKENS < len(prompt)
     assert primed_short > 50  # the suffix path was taken, not only the whole prompt
 
@@ -182,15 +201,16 @@ def _with_wordpiece_decoder(tokenizer):
     return PreTrainedTokenizerFast(tokenizer_object=backend)
 
 
-@pytest.mark.parametrize("decoder", ["byte-level", "wordpiece"])
-def test_spaces_between_special_tokens_false_writes_runs_of_added_tokens_as_vllms_engine(tiny_tokenizer, decoder):
-    """With special tokens shown and ``spaces_between_special_tokens: false``, each piece is what
-    vLLM's engine's own fast detokenizer gives for the same prompt and output: added tokens that
-    follow one another are written bare, without the space a decoder like WordPiece's puts
-    between them."""
+@pytest.mark.parametrize("decoder", ["byte-level", "wordpiece", "stripping"])
+def test_text_is_vllms_engines_with_special_tokens_skipped_or_shown_spaced_or_not(tiny_tokenizer, decoder):
+    """Each piece is what vLLM's engine's own fast detokenizer gives for the same prompt and
+    output, with special tokens skipped or shown, and with ``spaces_between_special_tokens: false``:
+    added tokens that follow one another written bare, without the space a decoder like
+    WordPiece's puts between them."""
     import random
 
-    tokenizer = tiny_tokenizer if decoder == "byte-level" else _with_wordpiece_decoder(tiny_tokenizer)
+    make = {"byte-level": lambda t: t, "wordpiece": _with_wordpiece_decoder, "stripping": _with_stripping_decoder}[decoder]
+    tokenizer = make(tiny_tokenizer)
     added = sorted(tokenizer._tokenizer.get_added_tokens_decoder())
     assert len(added) > 2
     text_ids = tokenizer.encode(" the river ran past the mill", add_special_tokens=False)
@@ -200,24 +220,17 @@ def test_spaces_between_special_tokens_false_writes_runs_of_added_tokens_as_vllm
         prompt = [rng.choice(added + text_ids) for _ in range(rng.randrange(1, 12))]
         output = [rng.choice(added) if rng.random() < 0.6 else rng.choice(text_ids) for _ in range(30)]
         pieces = {}
-        for spaces in (False, True):
-            reference = _vllms_fast_detokenizer(tokenizer, prompt, skip=False, spaces=spaces)
-            expected = [reference.decode_next(t) for t in output]
-            stream = DecodeTextStream(tokenizer, prompt, skip_special_tokens=False, spaces_between_special_tokens=spaces)
-            assert [stream.push(t) for t in output] == expected
-            pieces[spaces] = "".join(expected)
-        differs += pieces[False] != pieces[True]
+        for skip in (False, True):
+            for spaces in (False, True):
+                reference = _vllms_fast_detokenizer(tokenizer, prompt, skip=skip, spaces=spaces)
+                expected = [reference.decode_next(t) for t in output]
+                stream = DecodeTextStream(tokenizer, prompt, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+                assert [stream.push(t) for t in output] == expected, (prompt, output, skip, spaces)
+                pieces[skip, spaces] = "".join(expected)
+        differs += pieces[False, False] != pieces[False, True]
     # Where the decoder spaces tokens, the option changes the text (so the comparison above tells
     # the two apart); where it does not, it changes nothing, as on vLLM's engine.
     assert differs > 50 if decoder == "wordpiece" else differs == 0
-
-
-def test_spaces_between_special_tokens_is_moot_where_special_tokens_are_skipped(tiny_tokenizer):
-    prompt = tiny_tokenizer.encode("The river")
-    ids = [3, 4, *tiny_tokenizer.encode(" ran", add_special_tokens=False), 5, 6]
-    plain = DecodeTextStream(tiny_tokenizer, prompt)
-    unspaced = DecodeTextStream(tiny_tokenizer, prompt, spaces_between_special_tokens=False)
-    assert [unspaced.push(t) for t in ids] == [plain.push(t) for t in ids]
 
 
 @pytest.mark.parametrize("stream", [False, True])
