@@ -127,8 +127,8 @@ class ResponseFramer:
             out = self._shown(out)
             if choice is None:
                 return {**out, "content": text} if text else out
-        if choice is None:
-            return {"content": text} if text or not emission.finish_reason else {}
+        if choice is None:  # the last chunk too, with nothing left to say: {"content": ""} (as vLLM's server)
+            return {"content": text}
         if isinstance(choice, RequiredCalls):
             self._required = self._required or RequiredCallsStream()
             calls = self._required.feed(text)

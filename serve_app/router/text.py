@@ -146,21 +146,25 @@ class PromptEncoder:
 
 class StopMatcher:
     """Finds the first stop string to complete in generated text, holding back just enough to be
-    sure.
+    sure, as vLLM's detokenizer does.
 
-    Text is released only when no stop string can still begin in it: the last ``longest - 1``
-    characters stay pending until more text (or the end) arrives. So a match never needs to look
-    at text already released, and a stop string split across deltas or attempts is still found.
-    As in vLLM's detokenizer, a stop string counts only if it ends in the text just fed (text is
-    fed one token at a time), so text fed while stopping was not allowed (``min_tokens``) never
-    completes one later, and of two stop strings the one that completes first wins.
+    Where the stop string is left out of the output (the default), text is released only when no
+    stop string can still begin in it: the last ``longest - 1`` characters stay pending until more
+    text (or the end) arrives. Where it is kept (``include_stop_str_in_output``), a stop string
+    ends the output wherever it ends, which is always in the text just fed, so text is released
+    at once and those characters are kept only to be searched. Either way a stop string split
+    across deltas or attempts is found. As in vLLM's detokenizer, a stop string counts only if it
+    ends in the text just fed (text is fed one token at a time), so text fed while stopping was
+    not allowed (``min_tokens``) never completes one later, and of two stop strings the one that
+    completes first wins.
     """
 
     def __init__(self, stops: list[str], include_stop_str_in_output: bool = False) -> None:
         self.stops = [s for s in stops if s]
         self.include = include_stop_str_in_output
         self._holdback = max((len(s) for s in self.stops), default=1) - 1
-        self._pending = ""
+        self._pending = ""  # the text a stop string may still end in: its last characters
+        self._unreleased = 0  # of which the last this many are not released yet
         self.matched: str | None = None
 
     @property
@@ -175,23 +179,30 @@ class StopMatcher:
         if not self.stops:
             return text
         self._pending += text
+        self._unreleased += len(text)
+        released_up_to = len(self._pending) - self._unreleased
         if can_stop:
             found = self._first_completed(len(text))
             if found is not None:
                 index, stop = found
                 self.matched = stop
                 end = index + len(stop) if self.include else index
-                released, self._pending = self._pending[:end], ""
+                released = self._pending[released_up_to:end]
+                self._pending, self._unreleased = "", 0
                 return released
-        if len(self._pending) <= self._holdback:
-            return ""
-        cut = len(self._pending) - self._holdback
-        released, self._pending = self._pending[:cut], self._pending[cut:]
+        if self.include:
+            released, self._unreleased = self._pending[released_up_to:], 0
+        else:
+            released_up_to = max(released_up_to, len(self._pending) - self._holdback)
+            released = self._pending[len(self._pending) - self._unreleased : released_up_to]
+            self._unreleased = len(self._pending) - released_up_to
+        self._pending = self._pending[max(0, len(self._pending) - self._holdback) :]
         return released
 
     def flush(self) -> str:
         """The generation ended without a match: release what was held back."""
-        released, self._pending = self._pending, ""
+        released = self._pending[len(self._pending) - self._unreleased :]
+        self._pending, self._unreleased = "", 0
         return released
 
     def _first_completed(self, new_chars: int) -> tuple[int, str] | None:

@@ -272,3 +272,88 @@ def test_spaces_between_special_tokens_over_http(tiny_tokenizer, stream):
 
     with mock.patch.object(mock_runner, "_next", lambda last, before, length: added[length % len(added)]):
         run_http(body, tokenizer)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_release_text_as_vllms_detokenizer_does(tiny_tokenizer, include):
+    """Token by token, the text released and the stop string found are vLLM's detokenizer's, for
+    stop strings cut from the output itself (so they span tokens, begin inside one, or are
+    prefixes of one another): where the stop string is left out of the output, text that a stop
+    string may still begin in waits; where it is kept, every token's text goes out at once."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer, check_stop_strings
+
+    from serve_app.router.text import StopMatcher
+
+    # Of two stop strings completed by one token, vLLM 0.32 takes the one that completes first (as
+    # the router does), vLLM 0.23 the first in the request's list: there, one stop string a request.
+    several = check_stop_strings("abcd", 2, ["cd", "bc"], False)[0] == "bc"
+    words = tiny_tokenizer.encode(" the river ran past the old mill; café, naïve — 日本 ok", add_special_tokens=False)
+    rng = random.Random(2)
+    matched = held = 0
+    for _ in range(300):
+        prompt = [rng.choice(words) for _ in range(5)]
+        output = [rng.choice(words) for _ in range(rng.randrange(1, 30))]
+        text = tiny_tokenizer.decode(output)
+        stops = []
+        for _ in range(rng.randrange(1, 4) if several else 1):
+            start = rng.randrange(len(text))
+            stops.append(text[start : start + rng.randrange(1, 8)] if rng.random() < 0.8 else "zzz")
+        min_tokens = rng.randrange(0, 3)
+        params = SamplingParams(stop=stops, include_stop_str_in_output=include, min_tokens=min_tokens, detokenize=True)
+        reference = FastIncrementalDetokenizer(tiny_tokenizer, EngineCoreRequest("r", prompt, None, params, None, 0.0, None, None, None))
+        stream, matcher = DecodeTextStream(tiny_tokenizer, prompt), StopMatcher(stops, include)
+        expected, got, decoded = [], [], ""
+        was_held = False
+        for n, token in enumerate(output, 1):
+            stop = reference.update([token], False)
+            expected.append(reference.get_next_output_text(finished=stop is not None, delta=True))
+            piece = stream.push(token)
+            decoded += piece
+            got.append(matcher.feed(piece, can_stop=n > min_tokens))
+            assert matcher.matched == stop, (stops, output)
+            if stop is not None:
+                matched += 1
+                break
+            was_held |= len("".join(got)) < len(decoded)
+        else:
+            expected.append(reference.get_next_output_text(finished=True, delta=True))
+            got.append(matcher.flush())
+        assert got == expected, (stops, include, output)
+        held += was_held
+    assert matched > 100  # the stops were found, not only run past
+    # Text waited only where the stop string is left out of the output.
+    assert held > 30 if not include else held == 0
+
+
+def test_a_chat_streams_last_chunk_after_a_stop_token_says_no_content_as_vllms(tiny_tokenizer):
+    """A chat stream that ends on a stop token (whose text is left out) ends with a chunk whose
+    delta is ``{"content": ""}``, as vLLM's server writes it (its DeltaMessage of the step's empty
+    text), with the finish and stop reasons."""
+    import json
+    from unittest import mock
+
+    from serve_app.engines import mock_runner
+    from serve_app.runtime.compat import DeltaMessage
+    from tests.support.inprocess import run_http
+
+    words = tiny_tokenizer.encode(" the river ran past", add_special_tokens=False)
+    stop_id = words[2]
+
+    async def body(app, client) -> None:
+        request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True, "stop_token_ids": [stop_id]}
+        response = await client.post("/v1/chat/completions", json=request)
+        assert response.status_code == 200, response.text
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        last = chunks[-1]["choices"][0]
+        assert last["finish_reason"] == "stop" and last["stop_reason"] == stop_id
+        # vLLM's DeltaMessage of the step's empty text ({"content": ""}; on vLLM 0.23 with an empty tool_calls beside it).
+        assert last["delta"]["content"] == "" and not last["delta"].get("tool_calls")
+        assert DeltaMessage(content="").model_dump(mode="json", exclude_unset=True)["content"] == ""
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)  # the text before the stop token
+
+    with mock.patch.object(mock_runner, "_next", lambda last, before, length: words[length % len(words)]):
+        run_http(body, tiny_tokenizer)
