@@ -14,6 +14,7 @@ import logging
 from types import SimpleNamespace
 from typing import Any, Protocol
 
+from serve_app.runtime.compat import FIRST_COMPLETED_STOP_WINS
 from serve_app.runtime.private_symbols import unchanged
 
 logger = logging.getLogger("pd_serve.router")
@@ -155,13 +156,17 @@ class StopMatcher:
     at once and those characters are kept only to be searched. Either way a stop string split
     across deltas or attempts is found. As in vLLM's detokenizer, a stop string counts only if it
     ends in the text just fed (text is fed one token at a time), so text fed while stopping was
-    not allowed (``min_tokens``) never completes one later, and of two stop strings the one that
-    completes first wins.
+    not allowed (``min_tokens``) never completes one later. Of two stop strings that the same
+    text completes, the one the installed vLLM picks wins: the one that completes first (vLLM
+    0.32), or the first of the request's list (vLLM 0.23, ``first_completed=False``).
     """
 
-    def __init__(self, stops: list[str], include_stop_str_in_output: bool = False) -> None:
+    def __init__(
+        self, stops: list[str], include_stop_str_in_output: bool = False, first_completed: bool = FIRST_COMPLETED_STOP_WINS
+    ) -> None:
         self.stops = [s for s in stops if s]
         self.include = include_stop_str_in_output
+        self._first_completed_wins = first_completed
         self._holdback = max((len(s) for s in self.stops), default=1) - 1
         self._pending = ""  # the text a stop string may still end in: its last characters
         self._unreleased = 0  # of which the last this many are not released yet
@@ -207,7 +212,8 @@ class StopMatcher:
 
     def _first_completed(self, new_chars: int) -> tuple[int, str] | None:
         """(start, stop string) of the stop string that ends first within the last ``new_chars``
-        characters of the pending text; ties go to the earlier in the request's list."""
+        characters of the pending text, ties to the earlier in the request's list; or, as vLLM
+        0.23, of the first in the list that ends there."""
         if not new_chars:
             return None
         best: tuple[int, str] | None = None
@@ -216,6 +222,8 @@ class StopMatcher:
             index = self._pending.find(stop, max(0, len(self._pending) - new_chars - len(stop) + 1))
             if index >= 0 and (best is None or index + len(stop) < best_end):
                 best, best_end = (index, stop), index + len(stop)
+                if not self._first_completed_wins:
+                    break
         return best
 
 

@@ -44,6 +44,19 @@ def _clamps_max_tokens() -> bool:
 
 CLAMPS_MAX_TOKENS = _clamps_max_tokens()
 
+
+def _first_completed_stop_wins() -> bool:
+    """Whether vLLM's detokenizer, of several stop strings that one token's text completes, ends
+    the output at the one that completes first (vLLM 0.32), rather than at the first of the
+    request's list that the text holds (vLLM 0.23). Read from vLLM's own ``check_stop_strings``."""
+    from vllm.v1.engine.detokenizer import check_stop_strings
+
+    found = check_stop_strings("abcd", 2, ["cd", "bc"], False)
+    return found is not None and found[0] == "bc"
+
+
+FIRST_COMPLETED_STOP_WINS = _first_completed_stop_wins()
+
 # What vLLM raises for a request that is the client's fault: its validators' own error class, and
 # plain ValueErrors / TypeErrors (which vLLM's OpenAI server also answers with 400).
 CLIENT_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, VLLMClientError)
@@ -51,6 +64,7 @@ CLIENT_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, VLLMCli
 __all__: list[Any] = [
     "CLAMPS_MAX_TOKENS",
     "CLIENT_ERRORS",
+    "FIRST_COMPLETED_STOP_WINS",
     "DeltaMessage",
     "ErrorInfo",
     "ErrorResponse",

@@ -38,17 +38,33 @@ def test_holdback_is_released_at_the_end():
 
 
 def test_include_stop_str_and_earliest_match():
-    m = StopMatcher(["world", "lo w"], include_stop_str_in_output=True)
+    m = StopMatcher(["world", "lo w"], include_stop_str_in_output=True, first_completed=True)
     assert feed_all(m, ["hello world"]) == "hello w"
     assert m.matched == "lo w"
 
 
-def test_of_two_stop_strings_in_one_piece_the_first_to_complete_wins():
-    """vLLM's detokenizer picks the stop string that completes first (one token's text can
+def test_of_two_stop_strings_in_one_piece_the_first_to_complete_wins_as_on_vllm_032():
+    """vLLM 0.32's detokenizer picks the stop string that completes first (one token's text can
     complete several), not the one that starts first."""
-    m = StopMatcher(["abcd", "bc"])
+    m = StopMatcher(["abcd", "bc"], first_completed=True)
     assert m.feed("a") + m.feed("bcd") == "a"
     assert m.matched == "bc"
+    m = StopMatcher(["cd", "bc"], first_completed=True)
+    assert m.feed("ab") + m.feed("cd") == "a" and m.matched == "bc"
+
+
+def test_of_two_stop_strings_in_one_piece_the_first_listed_wins_as_on_vllm_023():
+    m = StopMatcher(["cd", "bc"], first_completed=False)
+    assert m.feed("ab") + m.feed("cd") == "ab" and m.matched == "cd"
+
+
+def test_the_stop_string_order_is_the_installed_vllms():
+    from vllm.v1.engine.detokenizer import check_stop_strings
+
+    from serve_app.runtime.compat import FIRST_COMPLETED_STOP_WINS
+
+    assert check_stop_strings("xabcd", 2, ["cd", "bc"], False)[0] == ("bc" if FIRST_COMPLETED_STOP_WINS else "cd")
+    assert StopMatcher(["cd", "bc"]).feed("xabcd") == ("xa" if FIRST_COMPLETED_STOP_WINS else "xab")
 
 
 def test_min_tokens_defers_matching():
@@ -284,13 +300,9 @@ def test_stop_strings_release_text_as_vllms_detokenizer_does(tiny_tokenizer, inc
 
     from vllm import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
-    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer, check_stop_strings
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
     from serve_app.router.text import StopMatcher
-
-    # Of two stop strings completed by one token, vLLM 0.32 takes the one that completes first (as
-    # the router does), vLLM 0.23 the first in the request's list: there, one stop string a request.
-    several = check_stop_strings("abcd", 2, ["cd", "bc"], False)[0] == "bc"
     words = tiny_tokenizer.encode(" the river ran past the old mill; café, naïve — 日本 ok", add_special_tokens=False)
     rng = random.Random(2)
     matched = held = 0
@@ -299,7 +311,7 @@ def test_stop_strings_release_text_as_vllms_detokenizer_does(tiny_tokenizer, inc
         output = [rng.choice(words) for _ in range(rng.randrange(1, 30))]
         text = tiny_tokenizer.decode(output)
         stops = []
-        for _ in range(rng.randrange(1, 4) if several else 1):
+        for _ in range(rng.randrange(1, 4)):
             start = rng.randrange(len(text))
             stops.append(text[start : start + rng.randrange(1, 8)] if rng.random() < 0.8 else "zzz")
         min_tokens = rng.randrange(0, 3)
