@@ -50,6 +50,8 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 # each is a JSON member the router frames on its event loop (about a microsecond), and a prompt's
 # travel in one frame from its engine (wire/frames.py's bound is 64 MiB: 4M entries).
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
+# The longest pattern vLLM's repetition_detection may look for (``_check_repetition_bound``).
+MAX_REPETITION_PATTERN = 256
 
 # Engine extra arguments pd-serve sets itself: a client may not set them, at the top level of
 # the request or through ``vllm_xargs`` (vLLM copies both into the engine's extra_args), since
@@ -467,6 +469,7 @@ def _sampling_params(
     _check_encodable(params)
     _check_vocabulary(params, ctx)
     _check_grammar_nesting(params)
+    _check_repetition_bound(params)
     return params, stops
 
 
@@ -688,6 +691,22 @@ def _check_vocabulary(params: Any, ctx: ModelContext) -> None:
             check(model)
         except _client_errors() as exc:
             raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
+
+
+def _check_repetition_bound(params: Any) -> None:
+    """vLLM's ``repetition_detection`` is checked by the decode engine's core after every
+    token of the request, for each pattern length up to ``max_pattern_size`` that the output
+    holds ``min_count`` times: up to about a millisecond a token for a long output and an
+    unbounded size (measured on the development machine, 4,000 tokens), spent in the step every
+    request of the batch waits on. vLLM's server takes any size; the router bounds it, so that a
+    client cannot slow other clients' tokens with it (docs/security.md)."""
+    detection = getattr(params, "repetition_detection", None)
+    if detection is not None and detection.max_pattern_size > MAX_REPETITION_PATTERN:
+        raise bad_request(
+            f"repetition_detection.max_pattern_size of {detection.max_pattern_size} is more than this server's "
+            f"{MAX_REPETITION_PATTERN}",
+            param="repetition_detection.max_pattern_size",
+        )
 
 
 def _check_grammar_nesting(params: Any) -> None:

@@ -187,6 +187,25 @@ def test_token_ids_a_request_names_in_the_vocabulary_are_accepted_on_every_vllm(
     assert "logit_bias" in str(refused(ctx, "completions", {"prompt": [5], "logit_bias": {"5000": 1.0}}))
 
 
+def test_repetition_detection_within_the_bound_reaches_the_engine_and_past_it_is_a_400(ctx):
+    """vLLM's repetition_detection (0.32 and 0.23) is checked by the engine core after every token, for
+    each pattern length up to max_pattern_size: bounded, so that one client cannot slow every
+    other request's step with it."""
+    from vllm import sampling_params
+
+    from serve_app.router.parsing import MAX_REPETITION_PATTERN
+
+    if not hasattr(sampling_params, "RepetitionDetectionParams"):
+        pytest.skip("this vLLM has no repetition_detection")
+
+    detection = {"max_pattern_size": MAX_REPETITION_PATTERN, "min_pattern_size": 2, "min_count": 3}
+    parsed = parse_request("completions", {"prompt": [5, 6], "repetition_detection": detection}, ctx)
+    sent = parsed.sampling_params.repetition_detection
+    assert (sent.max_pattern_size, sent.min_pattern_size, sent.min_count) == (MAX_REPETITION_PATTERN, 2, 3)
+    too_long = {"prompt": [5], "repetition_detection": {**detection, "max_pattern_size": MAX_REPETITION_PATTERN + 1}}
+    assert "repetition_detection.max_pattern_size" in str(refused(ctx, "completions", too_long))
+
+
 def test_chat_template_inputs_are_passed_on_or_refused_never_dropped(tiny_tokenizer):
     """A message's name and reasoning, and the request's reasoning_effort (with enable_thinking
     unless the client set it), and a tool-calling turn's calls and results, reach the template as

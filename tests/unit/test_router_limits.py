@@ -74,6 +74,11 @@ HOSTILE = {
         "structured_outputs.json",
     ),
     "empty cache_salt": ({"cache_salt": ""}, "cache_salt"),
+    # Checked by the engine core after every token, for each pattern length up to the size.
+    "repetition_detection over the bound": (
+        {"repetition_detection": {"max_pattern_size": 100_000, "min_count": 2}},
+        "repetition_detection.max_pattern_size",
+    ),
     # vLLM's fields the router does not implement: refused, never accepted and dropped.
     "truncate_prompt_tokens over the context": ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
     "truncate_prompt_tokens to nothing": ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
