@@ -45,8 +45,7 @@ class ResponseFramer:
         self._output_context: list[int] = []  # the output's last tokens whose logprobs were framed (``_piece``)
         self._role_sent = False
         self._text_offset = 0
-        self._prompt_ids_sent = False
-        self._prompt_text_sent = False
+        self._first_chunk_framed = False  # the prompt's ids and text go with the choice's first chunk only
         self._call_opened = False  # a named tool choice's call: its first delta sent
         self._required: RequiredCallsStream | None = None  # a required tool choice's calls so far
         self._parser: Any = None  # vLLM's reply parser (auto tool calls, reasoning), with the stream's state
@@ -57,21 +56,15 @@ class ResponseFramer:
         # The chunks of the latest ``chunks`` that open a chat reply (its role, its echo): before any output.
         self.opening_chunks = 0
 
-    def _prompt_text_once(self) -> str | None:
-        """A chat reply's ``prompt_text`` for each choice's first chunk, as vLLM's server sends it
-        (beside the prompt's token ids), None for every other chunk."""
-        if self.request.prompt_text is None or self._prompt_text_sent:
-            return None
-        self._prompt_text_sent = True
-        return self.request.prompt_text
-
-    def _prompt_ids_once(self) -> list[int] | None:
-        """The prompt's token ids for each choice's first chunk (``return_token_ids``, as vLLM's
-        server sends them), None for every other chunk."""
-        if not self.request.return_token_ids or self._prompt_ids_sent:
-            return None
-        self._prompt_ids_sent = True
-        return list(self.request.prompt_token_ids)
+    def _prompt_once(self) -> tuple[list[int] | None, str | None]:
+        """(prompt token ids, prompt text) for a choice's first chunk, as vLLM's server sends them
+        (the ids with ``return_token_ids``, the text with a chat's ``return_prompt_text``), and
+        (None, None) for every later chunk."""
+        if self._first_chunk_framed:
+            return None, None
+        self._first_chunk_framed = True
+        ids = list(self.request.prompt_token_ids) if self.request.return_token_ids else None
+        return ids, self.request.prompt_text
 
     # ------------------------------------------------------------------ streaming
     def chunks(self, emission: Emission) -> list[dict[str, Any]]:
@@ -225,7 +218,8 @@ class ResponseFramer:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
         text, logprobs = self._output_shown(emission.text, emission.logprobs)
-        prompt_logprobs, prompt_ids = None, self._prompt_ids_once()
+        prompt_ids, _ = self._prompt_once()  # a completion has no prompt text
+        prompt_logprobs = None
         if self.request.echo is not None and not self._echoed:  # the prompt, in the first chunk
             self._echoed = True
             text = self.request.echo + text
@@ -268,13 +262,14 @@ class ResponseFramer:
             stop_reason=stop_reason,
             token_ids=list(token_ids) if token_ids and self.request.return_token_ids else None,
         )
+        prompt_ids, prompt_text = self._prompt_once()
         chunk = ChatCompletionStreamResponse(
             id=self.request.response_id,
             created=self.request.created,
             model=self.request.model,
             choices=[choice],
-            prompt_token_ids=self._prompt_ids_once(),
-            prompt_text=self._prompt_text_once(),
+            prompt_token_ids=prompt_ids,
+            prompt_text=prompt_text,
         )
         return _dump(chunk, keep_choice_keys=("finish_reason",))
 
