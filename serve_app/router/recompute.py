@@ -18,7 +18,10 @@ and whether to continue, retry or finish.
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from serve_app.router.text import StopMatcher, TextStream
 from serve_app.wire.protocol import MOVED, RECOMPUTED, TokenDelta, TokenLogprob
@@ -28,6 +31,19 @@ from serve_app.wire.protocol import MOVED, RECOMPUTED, TokenDelta, TokenLogprob
 MAX_FREE_MOVES = 8
 # Finish reasons of an engine request that mean "this attempt failed", not "the response ended".
 RETRYABLE_FINISH_REASONS = frozenset({"abort", "error"})
+# vLLM's stop_reason for a request its repetition_detection ended (finish_reason "repetition").
+REPETITION_STOP_REASON = "repetition_detected"
+
+
+def repetition_check(sampling_params: Any) -> Callable[[Sequence[int]], bool] | None:
+    """vLLM's own check of a request's ``repetition_detection`` (the function its engine core
+    calls in ``check_stop``), bound to the request's parameters; None for a request without it."""
+    detection = getattr(sampling_params, "repetition_detection", None)
+    if detection is None:
+        return None
+    from vllm.v1.core.sched.utils import check_sequence_repetition
+
+    return functools.partial(check_sequence_repetition, params=detection)
 
 
 class Phase(str, enum.Enum):
@@ -98,6 +114,7 @@ class RecomputeStateMachine:
         stops: StopMatcher | None = None,
         min_tokens: int = 0,
         logprobs: bool = False,
+        repeats: Callable[[Sequence[int]], bool] | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -111,6 +128,9 @@ class RecomputeStateMachine:
         self._text = text
         self._stops = stops or StopMatcher([])
         self._want_logprobs = logprobs
+        # vLLM's repetition_detection over the whole output so far (``check_sequence_repetition``
+        # with the request's parameters), for resumed attempts: their engine sees only its own.
+        self._repeats = repeats
 
         self.phase = Phase.DISPATCH
         self.attempts = 0
@@ -196,6 +216,10 @@ class RecomputeStateMachine:
         # its text is left out unless include_stop_str_in_output, as vLLM's detokenizer does.
         token_stop = delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
         silent_last = len(delta.token_ids) - 1 if token_stop and not self._stops.include else -1
+        # The token the engine ended the request on: its own end (a stop token, the length, its
+        # own repetition) comes before a repetition, as in vLLM's check_stop.
+        engine_last = len(delta.token_ids) - 1 if self._ends_response(delta) else -1
+        check_repeats = self._repeats is not None and self.current is not None and self.current.resumed_output_tokens > 0
         for i, token_id in enumerate(delta.token_ids):
             if self.remaining <= 0:
                 break
@@ -208,11 +232,14 @@ class RecomputeStateMachine:
                 emission.logprobs.append(delta.logprobs[i])
             if i == silent_last:
                 break
+            repeated = check_repeats and i != engine_last and self._repeated()
             piece = self._text.push(token_id)
             # Stop strings only past the first min_tokens tokens, as vLLM's detokenizer counts.
             emission.text += self._stops.feed(piece, can_stop=self.completion_tokens > self.min_tokens)
-            if self._stops.matched is not None:
+            if self._stops.matched is not None:  # a stop string in the same token wins, as in vLLM's output processor
                 return self._finish(emission, "stop", self._stops.matched)
+            if repeated:
+                return self._finish(emission, "repetition", REPETITION_STOP_REASON, flush=True)
         if delta.finish_reason is None:
             if self.remaining <= 0:
                 # The engine was asked for exactly the remaining budget; its end is implied.
@@ -258,6 +285,25 @@ class RecomputeStateMachine:
         return self._fail(Emission(), reason, status)
 
     # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _ends_response(delta: TokenDelta) -> bool:
+        """Whether the engine ended the client's response with this delta (not an attempt's end)."""
+        return (
+            delta.finish_reason is not None
+            and delta.stop_reason not in (RECOMPUTED, MOVED)
+            and delta.finish_reason not in RETRYABLE_FINISH_REASONS
+        )
+
+    def _repeated(self) -> bool:
+        """vLLM's repetition check on the output's newest token, as one uninterrupted request's
+        engine makes it: past min_tokens, and not on the token that reaches max_tokens (the
+        length comes first)."""
+        n = len(self.output_token_ids)
+        if n < self.min_tokens or n >= self.max_tokens:
+            return False
+        assert self._repeats is not None
+        return self._repeats(self.output_token_ids)
+
     def _retry_or_fail(self, emission: Emission, reason: str, status: int = 500) -> Step:
         wasted = self._attempt_waste()
         self.wasted_tokens += wasted

@@ -28,7 +28,7 @@ from serve_app.router.engine_client import one_line
 from serve_app.router.errors import error_body
 from serve_app.router.framing import ResponseFramer, usage
 from serve_app.router.parsing import ParsedRequest
-from serve_app.router.recompute import Action, Emission, RecomputeStateMachine, Step
+from serve_app.router.recompute import Action, Emission, RecomputeStateMachine, Step, repetition_check
 from serve_app.router.text import DecodeTextStream, StopMatcher, piece_in_context
 from serve_app.runtime.logs import attempt_log_level
 from serve_app.runtime.metrics import RouterMetrics
@@ -70,6 +70,7 @@ class ResponseSession:
             stops=StopMatcher(request.stops, request.include_stop_str_in_output),
             min_tokens=request.min_tokens,
             logprobs=request.logprobs is not None,
+            repeats=repetition_check(request.sampling_params),
         )
         self.framer = ResponseFramer(request, token_text, functools.partial(piece_in_context, tokenizer))
         self.status = 200

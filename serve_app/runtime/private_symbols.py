@@ -127,6 +127,18 @@ def _transport(module: str, cls: str) -> Symbol:
 
 
 _ENTRIES: tuple[Symbol, ...] = (
+    # router/recompute.py: a request's repetition_detection over a resumed output, checked with
+    # the function vLLM's engine core checks it with
+    Symbol(
+        "vllm.v1.core.sched.utils",
+        "check_sequence_repetition",
+        "vllm",
+        READ,
+        "serve_app/router/recompute.py",
+        BOTH,
+        params=("(token_ids, params)",),
+        source_has=(("check_stop", "check_sequence_repetition("),),
+    ),
     # router/text.py: a multi-byte character's pieces in logprobs, read as vLLM's engine reads
     # them (it needs only the tokenizer of its owner)
     Symbol(

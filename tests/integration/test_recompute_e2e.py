@@ -222,6 +222,27 @@ def test_stop_string_across_attempts_under_pressure(app, baseline_app):
     wait_idle(app)
 
 
+def test_a_repetition_that_spans_attempts_ends_the_response_where_an_uninterrupted_one_ends(app, baseline_app):
+    """repetition_detection: one allowed token makes the output a run of it, so the uninterrupted
+    request ends with "repetition" at its REPEATS-th token. An attempt resumed before that has
+    fewer than REPEATS tokens of its own, so its engine alone would run to the length: the router
+    checks the whole output."""
+    repeats = 400
+    body = {
+        "prompt": token_pattern(250, 23),
+        "max_tokens": 640,
+        "ignore_eos": True,
+        "allowed_token_ids": [500],
+        "repetition_detection": {"max_pattern_size": 1, "min_count": repeats},
+    }
+    want = call(baseline_app, "completions", body)
+    assert want["finish"] == "repetition" and want["tokens"] == [500] * repeats
+    got = resumed_under_pressure(app, body, first_seed=60)
+    assert got["first_attempt_tokens"] < repeats  # the premise: a resumed attempt reached the repetition
+    assert got["tokens"] == want["tokens"] and got["finish"] == "repetition"
+    wait_idle(app)
+
+
 def test_penalties_and_bad_words_count_the_earlier_attempts_output(app, baseline_app):
     """Presence and frequency penalties and multi-token bad words look at the output: on a
     resumed attempt the earlier output is part of the prompt, and the decode engine's logits

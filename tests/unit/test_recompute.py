@@ -411,3 +411,144 @@ def test_return_token_ids_returns_the_prompts_too_as_vllms_server_does(ctx):
                 text="", token_ids=[], logprobs=None, finish_reason="length", stop_reason=None, prompt_tokens=2
             )
         )
+
+
+# ---------------------------------------------------------------- repetition_detection across attempts
+
+
+class VllmStop:
+    """What vLLM's engine core decides after each token of one engine request: its own
+    ``check_stop`` (vllm.v1.core.sched.utils) over the request's own output."""
+
+    def __init__(self, params, max_tokens: int, min_tokens: int) -> None:
+        self.sampling_params = params
+        self.output_token_ids: list[int] = []
+        self.max_tokens = max_tokens
+        self.status = None
+        self.stop_reason = None
+        self.pooling_params = None
+        self._min = min_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def feed(self, token: int) -> tuple[str | None, str | None]:
+        from vllm.v1.core.sched.utils import check_stop
+        from vllm.v1.request import RequestStatus
+
+        self.output_token_ids.append(token)
+        if not check_stop(self, max_model_len=1 << 20):
+            return None, None
+        return str(RequestStatus.get_finished_reason(self.status)), self.stop_reason
+
+
+def repetition_params(min_tokens: int, detection: dict):
+    from vllm.sampling_params import RepetitionDetectionParams, SamplingParams
+
+    return SamplingParams(max_tokens=1000, min_tokens=min_tokens, repetition_detection=RepetitionDetectionParams(**detection))
+
+
+def serve_with_recomputes(tokens: list[int], params, max_tokens: int, recompute_at: set[int], repeats=True):
+    """The router's machine over engines that each decide their own stop with vLLM's check_stop
+    and give the request back (recompute) after the global token counts in ``recompute_at``:
+    (output, finish reason, stop reason, attempts)."""
+    from serve_app.router.recompute import repetition_check
+
+    check = repetition_check(params) if repeats else None
+    m = machine(max_tokens=max_tokens, max_attempts=len(recompute_at) + 1, min_tokens=params.min_tokens, repeats=check)
+    while not m.finished:
+        plan = m.start_attempt(False)
+        engine = VllmStop(params, plan.max_tokens, plan.min_tokens)
+        engine.sampling_params = repetition_params(plan.min_tokens, vars(params.repetition_detection))
+        while True:
+            position = len(m.output_token_ids) + 1
+            finish, stop = engine.feed(tokens[position - 1])
+            if finish is not None:
+                m.on_delta(delta(tokens[position - 1], finish=finish, stop=stop))
+                break
+            if m.on_delta(delta(tokens[position - 1])).action is Action.FINISH:
+                break
+            if position in recompute_at:
+                assert m.on_delta(recomputed()).action is Action.RETRY
+                break
+    return m.output_token_ids, m.finish_reason, m.stop_reason, m.attempts
+
+
+def test_a_repetition_that_spans_a_recompute_ends_the_response_where_one_uninterrupted_request_would():
+    """vLLM's engine checks repetition_detection over the output of the request it serves; a
+    resumed attempt's engine sees only its own, so the router checks the whole output (with
+    vLLM's own function) on a resumed attempt's tokens."""
+    params = repetition_params(0, {"max_pattern_size": 2, "min_count": 3})
+    tokens = [5, 6, 0, 1, 0, 1, 0, 1, 7, 8, 9, 10, 11, 12]  # "0 1" three times ends at the 8th token
+    assert serve_with_recomputes(tokens, params, 12, set()) == (tokens[:8], "repetition", "repetition_detected", 1)
+    # The request recomputed after the 6th token: the second engine has seen only "0 1".
+    assert serve_with_recomputes(tokens, params, 12, {6}) == (tokens[:8], "repetition", "repetition_detected", 2)
+    assert serve_with_recomputes(tokens, params, 12, {6}, repeats=False) == (tokens[:12], "length", None, 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_repetition_detection_with_recomputes_matches_vllms_check_stop_on_one_uninterrupted_request(seed):
+    """Random outputs over a small vocabulary (repeats come often), random parameters and
+    min_tokens, recomputes at random places: the output, its finish and stop reasons are those of
+    one uninterrupted request under vLLM's check_stop, the length before the repetition."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(150):
+        tokens = [rng.randrange(3) for _ in range(60)]
+        low = rng.randint(0, 3)
+        detection = {"max_pattern_size": rng.randint(max(low, 1), 6), "min_pattern_size": low, "min_count": rng.randint(2, 4)}
+        params = repetition_params(rng.randint(0, 12), detection)
+        max_tokens = rng.randint(1, 40)
+        want = serve_with_recomputes(tokens, params, max_tokens, set())
+        cuts = set(rng.sample(range(1, max_tokens + 1), k=min(max_tokens, rng.randint(1, 3))))
+        got = serve_with_recomputes(tokens, params, max_tokens, cuts)
+        assert got[:3] == want[:3], (tokens, detection, params.min_tokens, max_tokens, sorted(cuts))
+
+
+def test_a_stop_string_in_the_token_that_repeats_wins_as_in_vllms_output_processor():
+    params = repetition_params(0, {"max_pattern_size": 1, "min_count": 3})
+    from serve_app.router.recompute import repetition_check
+
+    m = machine(max_tokens=10, stops=("ccc",), repeats=repetition_check(params))
+    m.start_attempt(False)
+    m.on_delta(delta(2, 2))
+    m.on_delta(recomputed())
+    m.start_attempt(False)
+    step = m.on_delta(delta(2, 3))  # "c" a third time: a repetition, and the stop string "ccc"
+    assert (m.finish_reason, m.stop_reason, m.output_token_ids, step.emission.text, m.text) == ("stop", "ccc", [2, 2, 2], "", "")
+
+
+def test_the_engines_own_end_and_the_length_come_before_a_repetition_as_in_vllms_check_stop():
+    from serve_app.router.recompute import repetition_check
+
+    params = repetition_params(0, {"max_pattern_size": 1, "min_count": 4})
+    for include in (False, True):  # a stop token's text kept or not: the token is checked either way
+        m = RecomputeStateMachine(
+            request_id="cmpl-x",
+            prompt_token_ids=[100],
+            max_tokens=10,
+            max_attempts=2,
+            text=LetterStream(),
+            stops=StopMatcher([], include_stop_str_in_output=include),
+            repeats=repetition_check(params),
+        )
+        m.start_attempt(False)
+        m.on_delta(delta(0, 0, 0))
+        m.on_delta(recomputed())
+        m.start_attempt(False)
+        m.on_delta(delta(0, finish="stop", stop=0))  # 0 a fourth time, and a stop token id
+        assert (m.finish_reason, m.stop_reason) == ("stop", 0), include
+    # The token that reaches max_tokens (the engine's end implied by its budget): the length.
+    m = machine(max_tokens=4, repeats=repetition_check(params))
+    m.start_attempt(False)
+    m.on_delta(delta(0, 0))
+    m.on_delta(recomputed())
+    m.start_attempt(False)
+    m.on_delta(delta(0, 0))
+    assert (m.finish_reason, m.stop_reason, m.output_token_ids) == ("length", None, [0, 0, 0, 0])
