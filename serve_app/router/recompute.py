@@ -18,10 +18,11 @@ and whether to continue, retry or finish.
 from __future__ import annotations
 
 import enum
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from vllm.v1.core.sched.utils import check_sequence_repetition
 
 from serve_app.router.text import StopMatcher, TextStream
 from serve_app.wire.protocol import MOVED, RECOMPUTED, TokenDelta, TokenLogprob
@@ -35,15 +36,27 @@ RETRYABLE_FINISH_REASONS = frozenset({"abort", "error"})
 REPETITION_STOP_REASON = "repetition_detected"
 
 
-def repetition_check(sampling_params: Any) -> Callable[[Sequence[int]], bool] | None:
-    """vLLM's own check of a request's ``repetition_detection`` (the function its engine core
-    calls in ``check_stop``), bound to the request's parameters; None for a request without it."""
-    detection = getattr(sampling_params, "repetition_detection", None)
-    if detection is None:
-        return None
-    from vllm.v1.core.sched.utils import check_sequence_repetition
+@dataclass(frozen=True)
+class RepetitionCheck:
+    """A request's ``repetition_detection``, checked with the function vLLM's engine core calls
+    in ``check_stop``."""
 
-    return functools.partial(check_sequence_repetition, params=detection)
+    params: Any  # vLLM's RepetitionDetectionParams
+
+    @property
+    def window(self) -> int:
+        """The most output tokens one check looks at: an attempt with this many of its own sees
+        every repetition its engine's check does."""
+        return max(0, self.params.max_pattern_size) * self.params.min_count
+
+    def __call__(self, token_ids: Sequence[int]) -> bool:
+        return check_sequence_repetition(token_ids, self.params)
+
+
+def repetition_check(sampling_params: Any) -> RepetitionCheck | None:
+    """The check of a request's ``repetition_detection``; None for a request without it."""
+    detection = getattr(sampling_params, "repetition_detection", None)
+    return None if detection is None else RepetitionCheck(detection)
 
 
 class Phase(str, enum.Enum):
@@ -114,7 +127,7 @@ class RecomputeStateMachine:
         stops: StopMatcher | None = None,
         min_tokens: int = 0,
         logprobs: bool = False,
-        repeats: Callable[[Sequence[int]], bool] | None = None,
+        repeats: RepetitionCheck | None = None,
     ) -> None:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -128,8 +141,8 @@ class RecomputeStateMachine:
         self._text = text
         self._stops = stops or StopMatcher([])
         self._want_logprobs = logprobs
-        # vLLM's repetition_detection over the whole output so far (``check_sequence_repetition``
-        # with the request's parameters), for resumed attempts: their engine sees only its own.
+        # vLLM's repetition_detection over the whole output, for resumed attempts: their engine
+        # sees only its own output.
         self._repeats = repeats
 
         self.phase = Phase.DISPATCH
@@ -297,11 +310,12 @@ class RecomputeStateMachine:
     def _repeated(self) -> bool:
         """vLLM's repetition check on the output's newest token, as one uninterrupted request's
         engine makes it: past min_tokens, and not on the token that reaches max_tokens (the
-        length comes first)."""
+        length comes first). Once the attempt has a window's worth of its own output its engine
+        sees every repetition there is, and the router checks no more."""
         n = len(self.output_token_ids)
-        if n < self.min_tokens or n >= self.max_tokens:
-            return False
         assert self._repeats is not None
+        if n < self.min_tokens or n >= self.max_tokens or self._attempt_tokens >= self._repeats.window:
+            return False
         return self._repeats(self.output_token_ids)
 
     def _retry_or_fail(self, emission: Emission, reason: str, status: int = 500) -> Step:

@@ -137,7 +137,12 @@ _ENTRIES: tuple[Symbol, ...] = (
         "serve_app/router/recompute.py",
         BOTH,
         params=("(token_ids, params)",),
-        source_has=(("check_stop", "check_sequence_repetition("),),
+        # and in check_stop's order, with its stop_reason
+        source_has=(
+            ("check_stop", "check_sequence_repetition("),
+            ("check_stop", "request.num_output_tokens < sampling_params.min_tokens"),
+            ("check_stop", 'request.stop_reason = "repetition_detected"'),
+        ),
     ),
     # router/text.py: a multi-byte character's pieces in logprobs, read as vLLM's engine reads
     # them (it needs only the tokenizer of its owner)

@@ -420,14 +420,15 @@ class VllmStop:
     """What vLLM's engine core decides after each token of one engine request: its own
     ``check_stop`` (vllm.v1.core.sched.utils) over the request's own output."""
 
-    def __init__(self, params, max_tokens: int, min_tokens: int) -> None:
+    def __init__(self, params, prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
         self.sampling_params = params
         self.output_token_ids: list[int] = []
         self.max_tokens = max_tokens
         self.status = None
         self.stop_reason = None
         self.pooling_params = None
-        self._min = min_tokens
+        self._prompt = prompt_tokens
+        self._max_model_len = max_model_len
 
     @property
     def num_output_tokens(self) -> int:
@@ -435,48 +436,80 @@ class VllmStop:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return self._prompt + len(self.output_token_ids)
 
-    def feed(self, token: int) -> tuple[str | None, str | None]:
+    def feed(self, token: int) -> tuple[str | None, int | str | None]:
         from vllm.v1.core.sched.utils import check_stop
         from vllm.v1.request import RequestStatus
 
         self.output_token_ids.append(token)
-        if not check_stop(self, max_model_len=1 << 20):
+        if not check_stop(self, max_model_len=self._max_model_len):
             return None, None
         return str(RequestStatus.get_finished_reason(self.status)), self.stop_reason
 
 
-def repetition_params(min_tokens: int, detection: dict):
+def repetition_params(min_tokens: int, detection: dict, stop_token_ids: tuple[int, ...] = ()):
     from vllm.sampling_params import RepetitionDetectionParams, SamplingParams
 
-    return SamplingParams(max_tokens=1000, min_tokens=min_tokens, repetition_detection=RepetitionDetectionParams(**detection))
+    return SamplingParams(
+        max_tokens=1000,
+        min_tokens=min_tokens,
+        stop_token_ids=list(stop_token_ids),
+        repetition_detection=RepetitionDetectionParams(**detection),
+    )
 
 
-def serve_with_recomputes(tokens: list[int], params, max_tokens: int, recompute_at: set[int], repeats=True):
+def serve_with_recomputes(
+    tokens: list[int],
+    params,
+    max_tokens: int,
+    recompute_at: set[int],
+    repeats=True,
+    chunk: int = 1,
+    stops: tuple[str, ...] = (),
+    include: bool = False,
+    max_model_len: int = 1 << 20,
+):
     """The router's machine over engines that each decide their own stop with vLLM's check_stop
-    and give the request back (recompute) after the global token counts in ``recompute_at``:
-    (output, finish reason, stop reason, attempts)."""
+    (stop tokens, the length, min_tokens, repetition_detection over their own output), send their
+    tokens ``chunk`` at a time, and give the request back (recompute) after the global token
+    counts in ``recompute_at``: (output, text, finish reason, stop reason, attempts)."""
     from serve_app.router.recompute import repetition_check
 
-    check = repetition_check(params) if repeats else None
-    m = machine(max_tokens=max_tokens, max_attempts=len(recompute_at) + 1, min_tokens=params.min_tokens, repeats=check)
+    prompt = [100, 101, 102]
+    m = RecomputeStateMachine(
+        request_id="cmpl-x",
+        prompt_token_ids=prompt,
+        max_tokens=max_tokens,
+        max_attempts=len(recompute_at) + 1,
+        text=LetterStream(),
+        stops=StopMatcher(list(stops), include_stop_str_in_output=include),
+        min_tokens=params.min_tokens,
+        repeats=repetition_check(params) if repeats else None,
+    )
     while not m.finished:
         plan = m.start_attempt(False)
-        engine = VllmStop(params, plan.max_tokens, plan.min_tokens)
-        engine.sampling_params = repetition_params(plan.min_tokens, vars(params.repetition_detection))
-        while True:
-            position = len(m.output_token_ids) + 1
+        own = repetition_params(plan.min_tokens, vars(params.repetition_detection), tuple(params.stop_token_ids))
+        engine = VllmStop(own, len(plan.prompt_token_ids), plan.max_tokens, max_model_len)
+        pending: list[int] = []
+        position = len(m.output_token_ids)
+        while not m.finished:
+            position += 1
+            pending.append(tokens[position - 1])
             finish, stop = engine.feed(tokens[position - 1])
             if finish is not None:
-                m.on_delta(delta(tokens[position - 1], finish=finish, stop=stop))
-                break
-            if m.on_delta(delta(tokens[position - 1])).action is Action.FINISH:
+                m.on_delta(delta(*pending, finish=finish, stop=stop))
                 break
             if position in recompute_at:
-                assert m.on_delta(recomputed()).action is Action.RETRY
+                if position % 2:  # the last tokens with the recompute, or before it
+                    m.on_delta(delta(*pending, finish="stop", stop=RECOMPUTED))
+                elif m.on_delta(delta(*pending)).action is not Action.FINISH:
+                    m.on_delta(recomputed())
                 break
-    return m.output_token_ids, m.finish_reason, m.stop_reason, m.attempts
+            if len(pending) == chunk:
+                m.on_delta(delta(*pending))
+                pending = []
+    return m.output_token_ids, m.text, m.finish_reason, m.stop_reason, m.attempts
 
 
 def test_a_repetition_that_spans_a_recompute_ends_the_response_where_one_uninterrupted_request_would():
@@ -485,30 +518,40 @@ def test_a_repetition_that_spans_a_recompute_ends_the_response_where_one_uninter
     vLLM's own function) on a resumed attempt's tokens."""
     params = repetition_params(0, {"max_pattern_size": 2, "min_count": 3})
     tokens = [5, 6, 0, 1, 0, 1, 0, 1, 7, 8, 9, 10, 11, 12]  # "0 1" three times ends at the 8th token
-    assert serve_with_recomputes(tokens, params, 12, set()) == (tokens[:8], "repetition", "repetition_detected", 1)
+    want = (tokens[:8], "fgababab", "repetition", "repetition_detected")
+    assert serve_with_recomputes(tokens, params, 12, set()) == (*want, 1)
     # The request recomputed after the 6th token: the second engine has seen only "0 1".
-    assert serve_with_recomputes(tokens, params, 12, {6}) == (tokens[:8], "repetition", "repetition_detected", 2)
-    assert serve_with_recomputes(tokens, params, 12, {6}, repeats=False) == (tokens[:12], "length", None, 2)
+    assert serve_with_recomputes(tokens, params, 12, {6}) == (*want, 2)
+    assert serve_with_recomputes(tokens, params, 12, {6}, chunk=3) == (*want, 2)
+    assert serve_with_recomputes(tokens, params, 12, {6}, repeats=False)[2:] == ("length", None, 2)
+    # The widest window vLLM looks at (pattern size 2, twice: 4 tokens) ends on the resumed
+    # attempt's third token: its engine has not seen it whole, the router has.
+    params = repetition_params(0, {"max_pattern_size": 2, "min_pattern_size": 2, "min_count": 2})
+    tokens = [0, 1, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert serve_with_recomputes(tokens, params, 10, {1}) == (tokens[:4], "abab", "repetition", "repetition_detected", 2)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_repetition_detection_with_recomputes_matches_vllms_check_stop_on_one_uninterrupted_request(seed):
-    """Random outputs over a small vocabulary (repeats come often), random parameters and
-    min_tokens, recomputes at random places: the output, its finish and stop reasons are those of
-    one uninterrupted request under vLLM's check_stop, the length before the repetition."""
+def test_repetition_detection_with_recomputes_matches_one_uninterrupted_request(seed):
+    """Random outputs over a small vocabulary (repeats come often), random parameters, min_tokens,
+    stop tokens and stop strings (kept or not), a context that may end first, tokens coming one
+    to four at a time, recomputes at random places: the output, its text, finish and stop
+    reasons are those of one uninterrupted request, whose engine decides with vLLM's check_stop."""
     import random
 
     rng = random.Random(seed)
     for _ in range(150):
-        tokens = [rng.randrange(3) for _ in range(60)]
+        tokens = [rng.randrange(5) for _ in range(60)]
         low = rng.randint(0, 3)
         detection = {"max_pattern_size": rng.randint(max(low, 1), 6), "min_pattern_size": low, "min_count": rng.randint(2, 4)}
-        params = repetition_params(rng.randint(0, 12), detection)
-        max_tokens = rng.randint(1, 40)
-        want = serve_with_recomputes(tokens, params, max_tokens, set())
+        params = repetition_params(rng.randint(0, 12), detection, stop_token_ids=rng.choice([(), (4,)]))
+        stops = rng.choice([(), ("dd",), ("abc", "cb")])
+        max_tokens, max_model_len = rng.randint(1, 40), rng.choice([1 << 20, rng.randint(4, 40)])
+        options = {"stops": stops, "include": rng.random() < 0.5, "max_model_len": max_model_len}
+        want = serve_with_recomputes(tokens, params, max_tokens, set(), **options)
         cuts = set(rng.sample(range(1, max_tokens + 1), k=min(max_tokens, rng.randint(1, 3))))
-        got = serve_with_recomputes(tokens, params, max_tokens, cuts)
-        assert got[:3] == want[:3], (tokens, detection, params.min_tokens, max_tokens, sorted(cuts))
+        got = serve_with_recomputes(tokens, params, max_tokens, cuts, chunk=rng.randint(1, 4), **options)
+        assert got[:4] == want[:4], (tokens, detection, params.min_tokens, max_tokens, options, sorted(cuts))
 
 
 def test_a_stop_string_in_the_token_that_repeats_wins_as_in_vllms_output_processor():
