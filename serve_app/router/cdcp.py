@@ -181,11 +181,18 @@ class AttemptExecutor:
         """The attempt's events, ending with its last token or an ``AttemptFailed``. Past
         ``request_deadline`` (monotonic) it fails for good: the client's whole request is over.
         ``tags`` go to the engines; the client's ``cache_salt`` into the prefix keys too."""
+        if past(request_deadline):  # an attempt retried at the deadline: no engine is asked
+            yield request_timed_out()
+            return
         # The prompt's prefix blocks, once for both choices (router.balancer: prefix).
         keys = self.pool.prefix_keys(plan.prompt_token_ids, tags.cache_salt)
-        decode = await self.pick("decode", plan.avoid, keys, len(plan.prompt_token_ids) + plan.max_tokens)
+        wait_s = None if request_deadline is None else max(0.0, request_deadline - time.monotonic())
+        decode = await self.pick("decode", plan.avoid, keys, len(plan.prompt_token_ids) + plan.max_tokens, wait_s=wait_s)
         if decode is None:
-            yield AttemptFailed("no decode engine is available", retryable=False, status=503, kind="no_engine")
+            if past(request_deadline):
+                yield request_timed_out()
+            else:
+                yield AttemptFailed("no decode engine is available", retryable=False, status=503, kind="no_engine")
             return
         params = params_template.clone()
         params.max_tokens = plan.max_tokens
@@ -229,6 +236,16 @@ class AttemptExecutor:
                 return load
             await asyncio.sleep(ENGINE_WAIT_POLL_S)
             await self.pool.refresh()
+
+
+def past(deadline: float | None) -> bool:
+    """Whether a monotonic deadline (None: none) has passed."""
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def request_timed_out() -> AttemptFailed:
+    """The client's whole request is over (``router.timeouts.request_s``): no attempt follows."""
+    return AttemptFailed("the request timed out", False, None, 504, "request_timeout")
 
 
 class AttemptRun:
@@ -361,8 +378,8 @@ class AttemptRun:
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _timed_out(self) -> AttemptFailed:
-        if self.request_deadline is not None and time.monotonic() >= self.request_deadline:
-            return AttemptFailed("the request timed out", False, None, 504, "request_timeout")
+        if past(self.request_deadline):
+            return request_timed_out()
         engine = self.prefill if prefill_running(self.phase) else self.decode
         return AttemptFailed(f"timed out waiting for {WAITING_FOR[self.phase]}", True, engine, 504, "timeout")
 
@@ -426,8 +443,8 @@ class AttemptRun:
                 yield self._moved()
                 return
             if prefill is None:
-                if self.request_deadline is not None and time.monotonic() >= self.request_deadline:
-                    yield self._timed_out()
+                if past(self.request_deadline):
+                    yield request_timed_out()
                 else:
                     yield AttemptFailed("no prefill engine is available", True, None, 503, "no_engine")
                 return

@@ -76,6 +76,7 @@ class ChoicesSession:
                 room.release()
                 if session.status != 200:  # its error event ends its batch: the response ends with it
                     self.status = session.status
+                    await _stop(tasks)  # the others released before the client takes the error
                     yield batch
                     return
                 yield batch
@@ -93,6 +94,8 @@ class ChoicesSession:
             await self._start(i)
             async with aclosing(session.event_batches()) as batches:
                 async for batch in batches:
+                    if session.finished:  # its last group: its attempt released before it waits for room
+                        await batches.aclose()
                     await room.acquire()
                     queue.put_nowait((session, batch))
         except Exception as exc:  # a bug of ours: the response fails as a one-choice response would

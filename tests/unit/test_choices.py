@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -352,3 +353,97 @@ def test_a_slow_reader_holds_the_choices_back_as_it_holds_one(tiny_tokenizer):
         assert held <= 4 * 3, held
 
     run(body, args(router={"mode": "colocated"}, mock={"decode_step_s": 0.0025}, stream_items_per_s=0), tiny_tokenizer)
+
+
+SLOW_ENGINE = {"decode_step_s": 0.01}  # 2,000 tokens take 20 s: an engine request left running shows
+
+
+def failing_on(prompt: list[int], after: int):
+    """Each decode engine's runner, wrapped: ``prompt``'s request fails after ``after`` deltas."""
+
+    def wrap(real: Any) -> Any:
+        async def generate(request: Any) -> Any:
+            n = 0
+            async for delta in real(request):
+                n += 1
+                if list(request.prompt_token_ids) == prompt and n > after:
+                    raise RuntimeError("the engine failed")
+                yield delta
+
+        return generate
+
+    return wrap
+
+
+async def stalled_client(response: Any, stall: Callable[[dict], bool], stalled: asyncio.Event) -> None:
+    """A client that takes the response's writes until ``stall(message)``, then none."""
+
+    async def send(message: dict) -> None:
+        if stall(message):
+            stalled.set()
+            await asyncio.Event().wait()
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    await response({"type": "http"}, receive, send)
+
+
+def test_the_other_choices_are_released_before_a_slow_client_takes_the_error(tiny_tokenizer):
+    """One choice fails mid-stream: its error event ends the response, and the other choices'
+    engine requests and leases are released before that write, as a one-choice stream releases
+    its own, not once the client has taken it."""
+
+    async def body(app: App) -> None:
+        for name, engine in app.engines.items():
+            if name.startswith("decode"):
+                engine.runner.generate = failing_on(PROMPT, after=2)(engine.runner.generate)
+        raw = json.dumps({"prompt": [PROMPT, OTHER], "max_tokens": 2000, "stream": True}).encode()
+        response = await app.service.http("completions", raw)
+        at_error = asyncio.Event()
+        client = asyncio.ensure_future(stalled_client(response, lambda m: b'"error"' in m.get("body", b""), at_error))
+        await asyncio.wait_for(at_error.wait(), 5)
+        await asyncio.sleep(0.5)
+        running = {n: sorted(e.runner._by_id) for n, e in app.engines.items() if e.runner._by_id}
+        held = {load.name: load.inflight for load in app.service.pool.loads.values() if load.inflight}
+        client.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await client
+        assert not running and not held, (running, held)
+
+    run(body, args(router={"mode": "colocated", "max_attempts": 1}, mock=SLOW_ENGINE), tiny_tokenizer)
+
+
+def test_a_choice_its_stop_string_ended_releases_its_engine_while_the_client_reads_nothing(tiny_tokenizer):
+    """Two choices, a client that takes no write: choice 1's first token completes its stop
+    string after choice 0 has filled the queue; its engine request is aborted then, not once the
+    client has made room for its last chunk."""
+
+    async def body(app: App) -> None:
+        holders: dict[str, Any] = {}
+        for name, engine in app.engines.items():
+            if name.startswith("decode"):
+
+                async def late(request: Any, real: Any = engine.runner.generate, runner: Any = engine.runner) -> Any:
+                    holders[request.request_id] = runner
+                    first = True
+                    async for delta in real(request):
+                        if first and list(request.prompt_token_ids) == PROMPT:
+                            await asyncio.sleep(0.3)  # the other choice fills the queue first
+                        first = False
+                        yield delta
+
+                engine.runner.generate = late
+        # PROMPT's first token is "arts"; OTHER's output never holds it.
+        raw = json.dumps({"prompt": [OTHER, PROMPT], "max_tokens": 2000, "stop": ["arts"], "stream": True}).encode()
+        response = await app.service.http("completions", raw)
+        client = asyncio.ensure_future(stalled_client(response, lambda m: m["type"] == "http.response.body", asyncio.Event()))
+        await wait_until(lambda: any(r.split("-")[-2] == "1" for r in holders))
+        stopped = next(r for r in holders if r.split("-")[-2] == "1")
+        await wait_until(lambda: stopped not in holders[stopped]._by_id, 3.0)
+        client.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await client
+
+    run(body, args(router={"mode": "colocated"}, mock=SLOW_ENGINE, stream_items_per_s=0), tiny_tokenizer)

@@ -242,6 +242,25 @@ def test_request_deadline_ends_the_response_with_504(tiny_tokenizer):
     run(body, tight, tiny_tokenizer)
 
 
+def test_no_decode_engine_is_waited_for_past_the_request_deadline(tiny_tokenizer):
+    """While no decode engine is healthy the router waits up to kv_ready_s for one to come back,
+    and no longer than the request's own deadline."""
+
+    async def body(app: App) -> None:
+        for name, faults in app.faults.items():
+            faults.dead = name.startswith("decode")
+        await app.service.pool.refresh()
+        started = time.monotonic()
+        status, data = await completion(app, PROMPT, max_tokens=5)
+        took = time.monotonic() - started
+        for faults in app.faults.values():
+            faults.dead = False
+        assert status == 504 and data["error"]["message"] == "the request timed out", data
+        assert took < 5, f"request_s is 0.5 s, kv_ready_s 10 s: the response took {took:.2f} s"
+
+    run(body, args(router={"timeouts": {"kv_ready_s": 10, "prefill_s": 10, "first_token_s": 10, "request_s": 0.5}}), tiny_tokenizer)
+
+
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_request_deadline_mid_stream_ends_it_with_a_504_event(tiny_tokenizer, mode):
     """Tokens flow, then the decode engine stalls: the request's own deadline still ends it
