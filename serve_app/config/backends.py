@@ -220,8 +220,9 @@ class EngineSpec:
 @dataclass(frozen=True)
 class PoolSpec:
     """What one role's deployment is bound with: the app's config (as data) and the role. Each
-    replica turns it into its own ``EngineSpec`` at start, from the rank Serve gives it
-    (``replica_spec``): its name, KV port and thread binding follow from the rank."""
+    replica turns it into its own ``EngineSpec`` at start, from its slot on its node (the rank
+    Serve gives it, unless a live engine of the pool there holds that: runtime/slots.py) with
+    ``replica_spec``: its name, KV port and thread binding follow from the slot."""
 
     config: dict[str, Any]  # AppConfig.deployment_args(): no pool's scaling options
     role: Role
@@ -233,6 +234,12 @@ class PoolSpec:
     # Prefill: the ranks whose KV port blocks come before decode's (twice the most prefill engines
     # ``args`` allows); None: no bound (decode's blocks come last).
     port_ranks: int | None = None
+
+    @property
+    def slot_group(self) -> str:
+        """The engines that share one range of slots on a node (runtime/slots.py): this pool's,
+        of the app with this KV port base."""
+        return f"{self.config.get('kv_port_base')}-{self.role}"
 
     def beyond_args(self, rank: int) -> str | None:
         """Why replica ``rank`` has no port block of its own (None: it has): a deployment override

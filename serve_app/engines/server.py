@@ -25,6 +25,7 @@ from serve_app.runtime.cpu_placement import keep_off_engine_cores
 from serve_app.runtime.gc_heap import freeze_startup_heap
 from serve_app.runtime.logs import quiet_cancelled_requests, serve_log_file_kept, to_serve_logs
 from serve_app.runtime.metrics import engine_metrics
+from serve_app.runtime.slots import Slot, claim_slot
 from serve_app.wire.protocol import EngineStats, KVEndpoint
 
 logger = logging.getLogger("pd_serve.engine")
@@ -73,12 +74,18 @@ class EngineServer:
         to_serve_logs()
         quiet_cancelled_requests()
         self.replica_id: str | None = None
+        self.slot: Slot | None = None
         if isinstance(spec, PoolSpec):
             rank, self.replica_id = replica_identity()
-            beyond = spec.beyond_args(rank)
+            # The first slot from its rank that no live engine of its pool on this node holds
+            # (runtime/slots.py: Serve renumbers live replicas' ranks as a pool shrinks).
+            self.slot = claim_slot(spec.slot_group, rank)
+            if self.slot.number != rank:
+                logger.info("%s rank %d is held by a live engine on this node: this one takes slot %d", spec.role, rank, self.slot.number)
+            beyond = spec.beyond_args(self.slot.number)
             if beyond:
                 logger.warning("pd-serve config: %s", beyond)
-            spec = spec.for_rank(rank, self.replica_id)
+            spec = spec.for_rank(self.slot.number, self.replica_id)
             # This rank's own thread binding: the deployment's runtime_env holds rank 0's.
             os.environ.update(spec.env)
         self.spec = spec
