@@ -23,6 +23,7 @@ import itertools
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ logger = logging.getLogger("pd_serve.router")
 SCORES: dict[Role, ScoreFn] = {"decode": decode_score, "prefill": prefill_score}
 # How long work sent to an engine counts in cache-aware routing's bound (halving each time).
 WORK_HALF_LIFE_S = 10.0
+MAX_GONE_REPLICAS = 4096  # replica ids remembered as gone (EnginePool._gone)
 
 
 def _outside_request(remote: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -95,6 +97,7 @@ class EnginePool:
         for name, (role, handle) in engines.items():
             self._add(Member(name=name, role=role, handle=handle, stream_handle=handle.options(stream=True)))
         self.stats_timeout_s = stats_timeout_s
+        self._full_poll: asyncio.Future | None = None  # the poll of every engine under way: callers share it
         self.reported: dict[str, EngineStats] = {}
         self.audit = audit
         # Ties rotate per role: one counter for both would be stepped twice per attempt (decode,
@@ -106,6 +109,9 @@ class EnginePool:
         # Serve replica id -> (member name, role), for as long as Serve lists the replica: a
         # member that said "moved" may be forgotten before Serve's list drops its replica.
         self._by_replica: dict[str, tuple[str, Role]] = {}
+        # Replicas that left Serve's list, newest last: a list published late (by another of the
+        # pool handle's request routers) never brings one back. Serve never reuses a replica id.
+        self._gone: OrderedDict[str, None] = OrderedDict()
         self._pool_handles: dict[Role, tuple[Any, Any]] = {}
         self.on_joined: Callable[[str], None] | None = None
         self.on_drained: Callable[[Role], None] | None = None  # a role's choosable engines changed
@@ -125,7 +131,7 @@ class EnginePool:
     def update(self, role: Role, running: list[ReplicaInfo]) -> None:
         """Serve's latest list of ``role``'s running replicas: members join and leave."""
         known = {rid: ReplicaInfo(replica_id=rid, role=r, name=name) for rid, (name, r) in self._by_replica.items() if r == role}
-        change = diff(known, [r for r in running if r.role == role])
+        change = diff(known, [r for r in running if r.role == role and r.replica_id not in self._gone])
         for replica_id in change.left:
             self.leave(replica_id)
         for info in change.joined:
@@ -157,6 +163,9 @@ class EnginePool:
     def leave(self, replica_id: str) -> None:
         """Serve is stopping this replica: choose it for nothing new, move its decode streams."""
         name, _ = self._by_replica.pop(replica_id, (None, None))
+        self._gone[replica_id] = None
+        while len(self._gone) > MAX_GONE_REPLICAS:
+            self._gone.popitem(last=False)
         member = self.members.get(name) if name is not None else None
         if member is not None and member.replica_id == replica_id:  # not a later engine of that name
             self.drain(name)
@@ -302,12 +311,30 @@ class EnginePool:
 
     # ------------------------------------------------------------------ stats
     async def refresh(self, names: list[str] | None = None) -> None:
-        if names is None:
-            names = [name for name, load in self.loads.items() if not load.draining]
+        """Poll the engines ``names`` (None: every engine) for their stats. One poll of every
+        engine at a time: the background poller and each attempt waiting for an engine share it,
+        so waiting requests do not multiply the polls on engines that are already slow."""
+        if names is not None:
+            return await self._poll(names)
+        if self._full_poll is None:
+            self._full_poll = asyncio.ensure_future(self._poll([name for name, load in self.loads.items() if not load.draining]))
+            self._full_poll.add_done_callback(self._full_poll_done)
+        await asyncio.shield(self._full_poll)
+
+    def _full_poll_done(self, poll: asyncio.Future) -> None:
+        if self._full_poll is poll:
+            self._full_poll = None
+        if not poll.cancelled():
+            poll.exception()  # retrieved here too: its callers may all have gone
+
+    async def _poll(self, names: list[str]) -> None:
+        members = {name: self.members.get(name) for name in names}
         results = await asyncio.gather(*(self._stats(name) for name in names), return_exceptions=True)
         for name, result in zip(names, results):
             load = self.loads.get(name)
-            if load is None or load.draining:  # left while its stats were on the way
+            # Left while its stats were on the way, or another engine now has its name: the
+            # answer is not that engine's.
+            if load is None or load.draining or self.members.get(name) is not members[name]:
                 continue
             if isinstance(result, BaseException):
                 if load.healthy:

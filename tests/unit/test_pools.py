@@ -285,3 +285,78 @@ def test_the_request_router_sends_a_pinned_call_to_its_replica_only():
     assert asyncio.run(router.choose_replicas(candidates, gone)) == [[]] and gone.routing_context.should_backoff
     assert len(asyncio.run(router.choose_replicas(candidates, pending()))[0]) == 2  # unpinned: two to compare
     assert pinned_replica(pending(replica=7)) is None and pinned_replica(None) is None
+
+
+class SlowStatsHandle(FakePoolHandle):
+    """Stats answered after ``delay_s``, with each replica's own answer where ``answers`` has one."""
+
+    def __init__(self, delay_s: float = 0.0, answers: dict[str, EngineStats] | None = None, healthy: bool = True) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.answers = answers or {}
+        self.healthy = healthy
+
+    def __getattr__(self, method: str) -> Any:
+        handle = self
+
+        class Method:
+            def remote(self, *args: Any, replica: str | None = None, **kwargs: Any) -> Any:
+                handle.calls.append((method, {"replica": replica}))
+                stats = handle.answers.get(replica or "") or EngineStats(name="?", role="decode", healthy=handle.healthy)
+                return asyncio.sleep(handle.delay_s, result=stats)
+
+        return Method()
+
+
+def test_attempts_waiting_for_an_engine_share_one_poll_of_the_engines():
+    """No decode engine is healthy for a moment: 100 attempts wait for one, each looking again
+    every 0.2 s. They share the router's poll of every engine instead of each polling all five."""
+    from serve_app.config.settings import TimeoutsConfig
+    from serve_app.router.cdcp import AttemptExecutor
+
+    handle = SlowStatsHandle(delay_s=0.05, healthy=False)
+    pool = EnginePool({})
+    pool.attach("decode", handle)
+    pool.attach("prefill", handle)
+    pool.update("decode", [ReplicaInfo("d0", "decode", "decode-0")])
+    pool.update("prefill", infos("prefill", range(4)))
+    pool.mark_unhealthy("decode-0")
+    executor = AttemptExecutor(pool, TimeoutsConfig(), metrics=None)
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(executor.pick("decode", frozenset(), wait_s=1.0) for _ in range(100)))
+
+    assert asyncio.run(main()) == [None] * 100
+    polls = len(handle.calls) / 5
+    assert polls <= 8, f"{len(handle.calls)} stats calls to 5 engines in 1 s"  # one poll per 0.2 s look, shared
+
+
+def test_a_stats_answer_for_an_engine_that_left_is_not_taken_for_its_successor_of_that_name():
+    from serve_app.wire.protocol import KVEndpoint
+
+    old = KVEndpoint(engine_id="decode-0-OLD", host="127.0.0.1", port=1000)
+    new = KVEndpoint(engine_id="decode-0-NEW", host="127.0.0.1", port=2000)
+    answers = {rid: EngineStats(name="decode-0", role="decode", kv_endpoint=kv) for rid, kv in (("OLD", old), ("NEW", new))}
+    pool = EnginePool({})
+    pool.attach("decode", SlowStatsHandle(delay_s=0.2, answers=answers))
+    pool.update("decode", [ReplicaInfo("OLD", "decode", "decode-0", kv_endpoint=old)])
+
+    async def main() -> None:
+        poll = asyncio.ensure_future(pool.refresh())
+        await asyncio.sleep(0.05)  # the old engine's stats are on their way
+        pool.update("decode", [])  # it leaves (nothing held: forgotten) and its successor joins
+        pool.update("decode", [ReplicaInfo("NEW", "decode", "decode-0", kv_endpoint=new)])
+        await poll
+
+    asyncio.run(main())
+    assert pool.members["decode-0"].replica_id == "NEW" and pool.kv_endpoint("decode-0") == new
+
+
+def test_a_replica_that_left_is_not_brought_back_by_a_list_published_late():
+    pool = EnginePool({})
+    pool.attach("decode", FakePoolHandle())
+    three = infos("decode", range(3))
+    pool.update("decode", three)
+    pool.update("decode", three[:2])  # Serve stops the third
+    pool.update("decode", three)  # a list another of the handle's request routers published before that
+    assert sorted(pool.members) == ["decode-0", "decode-1"]
