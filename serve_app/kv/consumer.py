@@ -86,6 +86,7 @@ from serve_app.kv.wire import (
     printable,
     read_preamble,
     recv_exact,
+    side_channel_socket,
 )
 
 logger = logging.getLogger("pd_serve.kv")
@@ -215,7 +216,7 @@ class FrameServer:
                 victim.shut()
                 self.refusals.note(f"evicted a pending connection from {victim.peer} for a newer one")
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                side_channel_socket(sock)
                 threading.Thread(target=self._run, args=(conn,), name="kv-recv", daemon=True).start()
             except (OSError, RuntimeError):
                 self._forget(conn)

@@ -49,12 +49,14 @@ from serve_app.kv.wire import (
     printable,
     read_preamble,
     recv_exact,
+    side_channel_socket,
     tensor_bytes,
 )
 
 logger = logging.getLogger("pd_serve.kv")
 
 SEND_TIMEOUT_S = 10.0
+SWEEP_INTERVAL_S = 1.0  # how often the sender closes connections whose decode end has gone
 ACK_MEMORY = 4096  # acks kept per connection until their transfer's done frame asks for them
 
 
@@ -128,10 +130,12 @@ class FrameSender:
         self.timeout_s = timeout_s
         self._conns: dict[tuple[str, int], socket.socket] = {}
         self._links: dict[tuple[str, int], Link] = {}
+        self._next_sweep = 0.0
 
     def send(self, host: str, port: int, parts: list[bytes | memoryview]) -> Link:
         """Send one encoded frame; returns the connection it went on (where its ack will come).
         Raises OSError when the destination cannot be reached."""
+        self._sweep()
         key = (host, port)
         for attempt in range(2):
             link = self._links.get(key)
@@ -151,13 +155,25 @@ class FrameSender:
     def _connect(self, key: tuple[str, int]) -> Link:
         conn = socket.create_connection(key, timeout=self.timeout_s)
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            side_channel_socket(conn)
             link = Link(conn)
         except BaseException:
             conn.close()
             raise
         self._conns[key], self._links[key] = conn, link
         return link
+
+    def _sweep(self) -> None:
+        """Close the connections whose other end has gone (a decode engine that stopped: its
+        successor listens on another port, so nothing would send on them again), at most once a
+        second. Here, in the sending thread, not in their ack readers: a socket is closed only
+        where it is used."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL_S
+        for key in [key for key, link in self._links.items() if link.dead is not None]:
+            self.drop(key)
 
     def drop(self, key: tuple[str, int]) -> None:
         self._conns.pop(key, None)

@@ -256,6 +256,23 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
+# ---------------------------------------------------------------------------- sockets
+# A peer host lost without closing its connections (a crash, a partition) is seen within about
+# a minute by the kernel's keepalive probes: idle 30 s, then 3 probes 10 s apart.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
+
+
+def side_channel_socket(sock: socket.socket) -> None:
+    """A side-channel connection's options, both ends: no Nagle delay between a frame's parts,
+    and keepalive probes, so that a connection to a lost host ends (and what it holds is freed)
+    instead of waiting on it forever."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S), ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, option):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
 # ---------------------------------------------------------------------------- decoding
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
     """Exactly ``n`` bytes; a peer that closes mid-frame is a ``WireError``."""

@@ -504,3 +504,51 @@ def test_settings_read_every_limit_from_the_connector_config():
     assert (s.handshake_timeout_s, s.max_pending_connections, s.max_early_bytes_per_connection, s.ack_timeout_s) == (1.5, 7, 99, 3.0)
     assert s.max_connections == 32 and s.early_wait_s == 5.0  # the defaults where nothing is said
     assert time.monotonic() > 0
+
+
+def _layer_frame(transfer: str = "x") -> list:
+    header = {"transfer": transfer, "secret": "s", "layer": "l0", "block_ids": [0]}
+    return encode_frame(KIND_LAYER, compat(), header, [tensor_bytes(layer_data(1, 9)["l0"])])
+
+
+def test_the_sender_closes_its_connection_to_a_decode_engine_that_went_away():
+    """A decode engine stops (its successor listens on another port): the prefill side's
+    connection to it is closed and forgotten at its next sends, not kept for the worker's life."""
+    from serve_app.kv.producer import SWEEP_INTERVAL_S, FrameSender
+
+    gone, staying = ConsumerWorker(settings()), ConsumerWorker(settings())
+    for worker in (gone, staying):
+        worker.register_kv_caches(patterned_caches(seed=1))
+    sender = FrameSender(timeout_s=2.0)
+    try:
+        link = sender.send(HOST, port_of(gone), _layer_frame())
+        gone.close()
+        wait_for(lambda: link.dead is not None)
+        time.sleep(SWEEP_INTERVAL_S)
+        sender.send(HOST, port_of(staying), _layer_frame())  # any later send sweeps
+        assert link.sock.fileno() == -1 and (HOST, port_of(gone)) not in sender._links
+    finally:
+        sender.close()
+        staying.close()
+
+
+def test_both_ends_of_the_side_channel_probe_a_silent_peer():
+    """Keepalive on both ends: a connection to a host lost without a word ends within about a
+    minute, freeing its transfers and its place among the peer's connections."""
+    from serve_app.kv.producer import FrameSender
+
+    worker = ConsumerWorker(settings())
+    worker.register_kv_caches(patterned_caches(seed=1))
+    sender = FrameSender(timeout_s=2.0)
+    try:
+        link = sender.send(HOST, port_of(worker), _layer_frame())
+        server = worker.server
+        wait_for(lambda: server._pending or server._trusted)
+        with server._lock:
+            accepted = [conn.sock for conn in [*server._pending, *server._trusted]]
+        for sock in [link.sock, *accepted]:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+    finally:
+        sender.close()
+        worker.close()
