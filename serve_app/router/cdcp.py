@@ -52,6 +52,10 @@ from serve_app.wire.sampling import RESUMED_OUTPUT_TOKENS, encode_sampling
 logger = logging.getLogger("pd_serve.router")
 
 ENGINE_WAIT_POLL_S = 0.2
+# A prefill engine Serve is stopping finishes its pushes in progress: the attempt waits this long
+# (within its deadlines) for its prefill call, then resumes elsewhere as a move (a replica that
+# died instead never answers a call pinned to it over Serve's handles).
+PREFILL_LEAVING_GRACE_S = 5.0
 
 # The KVReady keys a prefill engine's connector reads (vllm-ascend's MooncakeLayerwiseConnector
 # and ours); anything else a callback carried stays with the router.
@@ -282,8 +286,9 @@ class AttemptRun:
         # Set when Serve starts stopping the decode engine (the pool's ``watch``): the attempt
         # ends at once, as a move, and the request resumes on another decode engine.
         self.leaving = False
+        self.prefill_left_at: float | None = None  # when the prefill engine began leaving during its call
         self._read_scope: asyncio.Timeout | None = None
-        self._left: asyncio.Future | None = None
+        self._wake: asyncio.Future | None = None
 
     def _advance(self, event: PhaseEvent) -> None:
         self.phase, self.deadline = advance(self.phase, event, self.deadline, time.monotonic(), self.executor.timeouts)
@@ -297,11 +302,24 @@ class AttemptRun:
         self.leaving = True
         if self._read_scope is not None and not self._read_scope.expired():
             self._read_scope.reschedule(asyncio.get_running_loop().time())
-        if self._left is not None and not self._left.done():
-            self._left.set_result(None)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def prefill_leaving(self) -> None:
+        """The prefill engine is leaving while its call runs: the call gets a short grace."""
+        if self.prefill_task is None or self.prefill_task.done():
+            return
+        self.prefill_left_at = time.monotonic()
+        grace_end = self.prefill_left_at + PREFILL_LEAVING_GRACE_S
+        self.deadline = grace_end if self.deadline is None else min(self.deadline, grace_end)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)  # the wait looks again, with the shorter deadline
 
     def _moved(self) -> AttemptFailed:
         return AttemptFailed("the decode engine was stopped", True, self.decode, 503, MOVED)
+
+    def _prefill_moved(self) -> AttemptFailed:
+        return AttemptFailed("the prefill engine was stopped", True, self.prefill, 503, MOVED)
 
     async def events(self) -> AsyncIterator[AttemptEvent]:
         while True:
@@ -321,9 +339,9 @@ class AttemptRun:
                 # first. The stream's read is a task of its own here, kept across iterations.
                 if self.next_item is None:
                     self.next_item = asyncio.ensure_future(self.stream.__anext__())
-                if self._left is None:
-                    self._left = asyncio.get_running_loop().create_future()
-                waiting: set[asyncio.Future] = {self.next_item, self._left}
+                if self._wake is None:
+                    self._wake = asyncio.get_running_loop().create_future()
+                waiting: set[asyncio.Future] = {self.next_item, self._wake}
                 if self.prefill_task is not None:
                     waiting.add(self.prefill_task)
                 done, _ = await asyncio.wait(waiting, timeout=self._time_left(), return_when=asyncio.FIRST_COMPLETED)
@@ -331,8 +349,11 @@ class AttemptRun:
                     yield self._moved()
                     return
                 if not done:
-                    yield self._timed_out()
+                    prefill_gone = self.prefill_left_at is not None and self.prefill_task is not None
+                    yield self._prefill_moved() if prefill_gone and not past(self.request_deadline) else self._timed_out()
                     return
+                if self._wake in done:
+                    self._wake = None  # woken by the prefill engine leaving: a fresh one for the next wait
                 if self.prefill_task is not None and self.prefill_task in done:
                     event = self._prefill_outcome()
                     yield event
@@ -467,6 +488,7 @@ class AttemptRun:
         params = {k: v for k, v in kv_params.items() if k in PREFILL_KV_KEYS}
         request = EngineRequest(self.plan.attempt_id, self.plan.prompt_token_ids, prefill_sampling_params(), params, **self.tags.prefill())
         self.prefill_lease.enter_context(self.executor.pool.lease(prefill.name, len(self.plan.prompt_token_ids)))
+        self.prefill_lease.enter_context(self.executor.pool.watch(prefill.name, self.prefill_leaving))
         response = self.prefill_call = self.executor.pool.start_prefill(prefill.name, request)
         logger.log(
             attempt_log_level(self.plan.number),
@@ -498,8 +520,8 @@ class AttemptRun:
         cancelled wait is awaited, so no exception is left unretrieved (and logged) by asyncio;
         a cancellation of the caller's own during that wait still reaches it, after the rest is
         released."""
-        if self._left is not None and not self._left.done():
-            self._left.cancel()
+        if self._wake is not None and not self._wake.done():
+            self._wake.cancel()
         futures = [f for f in (self.next_item, self.prefill_task) if f is not None]
         for future in futures:
             future.cancel()

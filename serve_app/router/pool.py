@@ -201,8 +201,12 @@ class EnginePool:
 
     @contextmanager
     def watch(self, name: str, on_leave: Callable[[], None]) -> Iterator[None]:
-        """Call ``on_leave`` if the engine leaves while the block runs."""
-        member = self.members[name]
+        """Call ``on_leave`` if the engine leaves while the block runs (an engine no longer a
+        member has left already: nothing to watch)."""
+        member = self.members.get(name)
+        if member is None:
+            yield
+            return
         member.watchers.add(on_leave)
         try:
             yield

@@ -955,6 +955,34 @@ def test_a_stopping_decode_engine_hands_its_streams_to_another_token_exact(tiny_
     run(body, args(router={"mode": mode, "max_attempts": 1}, decode={"num_replicas": 2}), tiny_tokenizer, recording_router_metrics())
 
 
+def test_a_prefill_engine_that_leaves_without_answering_its_call_hands_the_prompt_to_another(tiny_tokenizer):
+    """Serve stops the prefill replica an attempt's call waits on, and the replica never answers
+    (it died: a call pinned to it through Serve's handle waits in Serve's queue). After a short
+    grace the attempt resumes with the other prefill engine, as a move, not at prefill_s as a
+    failure; the decode engine's blocks are not held meanwhile."""
+
+    async def body(app: App) -> None:
+        prefills = [name for name in app.engines if name.startswith("prefill")]
+        for name in prefills:  # whichever the balancer picks never answers
+            app.faults[name].hang = True
+        request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=8))
+        await wait_until(lambda: leased(app, "prefill"))
+        (victim,) = [load.name for load in app.service.pool.of_role("prefill") if load.inflight]
+        for name in prefills:
+            app.faults[name].hang = name == victim
+        started = time.monotonic()
+        app.service.pool.drain(victim)
+        status, data = await request
+        assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 8), data
+        assert time.monotonic() - started < 10, "the attempt waited for prefill_s (20 s)"
+        app.faults[victim].hang = False
+
+    timeouts = {"kv_ready_s": 5, "prefill_s": 20, "first_token_s": 20, "request_s": 60}
+    router = {"engine_transport": "grpc", "max_attempts": 1, "timeouts": timeouts}
+    with mock.patch("serve_app.router.cdcp.PREFILL_LEAVING_GRACE_S", 0.5):
+        run(body, args(router=router, prefill={"num_replicas": 2}), tiny_tokenizer)
+
+
 def test_with_no_other_decode_engine_a_moved_request_fails_with_a_503_not_a_hang(tiny_tokenizer):
     async def body(app: App) -> None:
         request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=300))
