@@ -220,9 +220,9 @@ class EngineSpec:
 @dataclass(frozen=True)
 class PoolSpec:
     """What one role's deployment is bound with: the app's config (as data) and the role. Each
-    replica turns it into its own ``EngineSpec`` at start, from its slot on its node (the rank
-    Serve gives it, unless a live engine of the pool there holds that: runtime/slots.py) with
-    ``replica_spec``: its name, KV port and thread binding follow from the slot."""
+    replica turns it into its own ``EngineSpec`` at start (``replica_spec``): its name and thread
+    binding follow from the rank Serve gives it, its KV port block from its slot on its node (that
+    rank's, unless a live engine there holds it: runtime/slots.py)."""
 
     config: dict[str, Any]  # AppConfig.deployment_args(): no pool's scaling options
     role: Role
@@ -237,8 +237,8 @@ class PoolSpec:
 
     @property
     def slot_group(self) -> str:
-        """The engines that share one range of slots on a node (runtime/slots.py): this pool's,
-        of the app with this KV port base."""
+        """The engines that share one range of KV port blocks on a node (runtime/slots.py):
+        this pool's, of the apps with this KV port base."""
         return f"{self.config.get('kv_port_base')}-{self.role}"
 
     def beyond_args(self, rank: int) -> str | None:
@@ -252,10 +252,11 @@ class PoolSpec:
             "port) and cores; raise the pool's count or max_replicas in args instead"
         )
 
-    def for_rank(self, rank: int, unique_id: str = "") -> EngineSpec:
+    def for_rank(self, rank: int, unique_id: str = "", port_slot: int | None = None) -> EngineSpec:
         from serve_app.config.settings import load_config
 
-        spec = replica_spec(load_config(self.config), self.role, rank, unique_id, index_base=self.index_base, port_base=self.port_base)
+        config = load_config(self.config)
+        spec = replica_spec(config, self.role, rank, unique_id, self.index_base, self.port_base, port_slot)
         spec = replace(spec, engines_cores=self.engines_cores)
         return with_connector(spec, self.kv_connector) if self.kv_connector else spec
 
@@ -289,7 +290,13 @@ def kv_port_offset(config: AppConfig, role: Role) -> int:
 
 
 def replica_spec(
-    config: AppConfig, role: Role, rank: int, unique_id: str = "", index_base: int | None = None, port_base: int | None = None
+    config: AppConfig,
+    role: Role,
+    rank: int,
+    unique_id: str = "",
+    index_base: int | None = None,
+    port_base: int | None = None,
+    port_slot: int | None = None,
 ) -> EngineSpec:
     """The spec of the engine that is replica ``rank`` of ``role``'s deployment (named
     ``<role>-<rank>``). ``unique_id`` (Serve's replica id) makes its KV engine id unique across
@@ -299,7 +306,7 @@ def replica_spec(
     ncores = max(1, os.cpu_count() or 1)
     index = (pool_offset(config, role) if index_base is None else index_base) + rank
     name = f"{role}-{rank}"
-    port_index = (kv_port_offset(config, role) if port_base is None else port_base) + rank
+    port_index = (kv_port_offset(config, role) if port_base is None else port_base) + (rank if port_slot is None else port_slot)
     kv_port = config.kv_port_base + port_index * KV_PORT_STRIDE
     if kv_port + KV_PORT_STRIDE > 65535:
         kv_port = config.kv_port_base  # a high rank: the fallback (cpu) finds a free port at start

@@ -77,15 +77,20 @@ class EngineServer:
         self.slot: Slot | None = None
         if isinstance(spec, PoolSpec):
             rank, self.replica_id = replica_identity()
-            # The first slot from its rank that no live engine of its pool on this node holds
-            # (runtime/slots.py: Serve renumbers live replicas' ranks as a pool shrinks).
+            # Its KV port block: the first from its rank's that no live engine of its pool on
+            # this node holds (runtime/slots.py: Serve renumbers live replicas' ranks).
             self.slot = claim_slot(spec.slot_group, rank)
             if self.slot.number != rank:
-                logger.info("%s rank %d is held by a live engine on this node: this one takes slot %d", spec.role, rank, self.slot.number)
+                logger.info(
+                    "%s-%d: a live engine on this node holds that rank's KV port block: this one takes block %d",
+                    spec.role,
+                    rank,
+                    self.slot.number,
+                )
             beyond = spec.beyond_args(self.slot.number)
             if beyond:
                 logger.warning("pd-serve config: %s", beyond)
-            spec = spec.for_rank(self.slot.number, self.replica_id)
+            spec = spec.for_rank(rank, self.replica_id, port_slot=self.slot.number)
             # This rank's own thread binding: the deployment's runtime_env holds rank 0's.
             os.environ.update(spec.env)
         self.spec = spec

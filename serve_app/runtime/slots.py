@@ -1,13 +1,15 @@
-"""An engine replica's slot on its node: what its KV port block, its cores and its name follow.
+"""An engine replica's slot on its node: the KV port block it listens on.
 
 Serve gives each replica a rank, unique among the deployment's replicas when given, but it
 renumbers the live replicas' ranks to keep them contiguous when the pool shrinks (Ray Serve
 2.60's minimal rank reassignment), and a replica started later is given a rank that a live one
-was started with. A replica reads its rank once, at start, and binds ports and cores by it, so
-ranks alone would let two live engines on one node share a KV port block (vllm-ascend's
-connector then fails to start, again and again) and cores. So a replica claims its slot on the
-node: the first free one from its rank, held by an exclusive ``flock`` on a file of that slot for
-as long as its process lives; the kernel releases it when the process ends, however it ends.
+was started with. A replica reads its rank once, at start, so by rank alone two live engines on
+one node would take one KV port block (vllm-ascend's connector then fails to start, again and
+again). So a replica claims its block's slot on the node: the first free one from its rank, held
+by an exclusive ``flock`` on a file of that slot for as long as its process lives; the kernel
+releases it when the process ends, however it ends. (Its name and cores still follow its rank:
+the router tells two engines of one name apart, and an autoscaled pool already shares cores
+round-robin by rank, which the router and replicas' placement plan on.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An engine replica's slot on its node (runtime/slots.py): two live engines of a pool never
-share a KV port block, cores or a name, even where Serve gives a new replica a rank that a live
-one was started with."""
+share a KV port block, even where Serve gives a new replica a rank that a live one was started
+with."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_a_slot_another_process_holds_is_skipped_and_freed_when_that_process_is_
         assert time.monotonic() < deadline, "the killed process's slot was not freed"
 
 
-def test_two_replicas_serve_gives_one_rank_get_their_own_slot_name_kv_port_and_cores():
+def test_two_replicas_serve_gives_one_rank_get_kv_port_blocks_of_their_own():
     """Ray Serve renumbers live replicas' ranks when a pool shrinks (ranks 0, 1, 2; rank 0
     stops; the replica started as rank 2 is now rank 1), and gives the next new replica rank 2
     again. The live one still binds what rank 2 gave it: the new one must take another slot."""
@@ -73,8 +73,8 @@ async def start_two(spec) -> None:
                 await server.__init__(spec)
             servers.append(server)
         old, new = (s.spec for s in servers)
-        assert old.name == "decode-2" and new.name == "decode-3"
-        assert old.kv_port != new.kv_port and old.index != new.index
+        assert old.kv_port != new.kv_port and (old.kv_port - new.kv_port) % 16 == 0
+        assert old.name == new.name == "decode-2"  # the router tells them apart (test_pools.py)
     finally:
         for server in servers:
             if server.call_server is not None:
