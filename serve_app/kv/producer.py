@@ -56,7 +56,12 @@ from serve_app.kv.wire import (
 logger = logging.getLogger("pd_serve.kv")
 
 SEND_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 3.0
 SWEEP_INTERVAL_S = 1.0  # how often the sender closes connections whose decode end has gone
+# A destination that failed a send twice (on a fresh connection too) fails the sends of the next
+# seconds at once: each would stall the prefill forward for the timeouts above, for every
+# transfer of the batch to that host.
+FAILED_DESTINATION_S = 5.0
 ACK_MEMORY = 4096  # acks kept per connection until their transfer's done frame asks for them
 
 
@@ -131,12 +136,18 @@ class FrameSender:
         self._conns: dict[tuple[str, int], socket.socket] = {}
         self._links: dict[tuple[str, int], Link] = {}
         self._next_sweep = 0.0
+        self._failed: dict[tuple[str, int], tuple[float, str]] = {}  # destination -> (until, why)
 
     def send(self, host: str, port: int, parts: list[bytes | memoryview]) -> Link:
         """Send one encoded frame; returns the connection it went on (where its ack will come).
         Raises OSError when the destination cannot be reached."""
         self._sweep()
         key = (host, port)
+        failed = self._failed.get(key)
+        if failed is not None:
+            if time.monotonic() < failed[0]:
+                raise ConnectionError(f"{host}:{port} failed a send in the last {FAILED_DESTINATION_S:g} s: {failed[1]}")
+            del self._failed[key]
         for attempt in range(2):
             link = self._links.get(key)
             try:
@@ -146,15 +157,17 @@ class FrameSender:
                 for part in parts:
                     link.sock.sendall(part)
                 return link
-            except OSError:
+            except OSError as exc:
                 self.drop(key)
                 if attempt == 1:
+                    self._failed[key] = (time.monotonic() + FAILED_DESTINATION_S, repr(exc))
                     raise
         raise AssertionError("unreachable")
 
     def _connect(self, key: tuple[str, int]) -> Link:
-        conn = socket.create_connection(key, timeout=self.timeout_s)
+        conn = socket.create_connection(key, timeout=min(CONNECT_TIMEOUT_S, self.timeout_s))
         try:
+            conn.settimeout(self.timeout_s)
             side_channel_socket(conn)
             link = Link(conn)
         except BaseException:
@@ -174,6 +187,8 @@ class FrameSender:
         self._next_sweep = now + SWEEP_INTERVAL_S
         for key in [key for key, link in self._links.items() if link.dead is not None]:
             self.drop(key)
+        for key in [key for key, (until, _) in self._failed.items() if until <= now]:
+            del self._failed[key]
 
     def drop(self, key: tuple[str, int]) -> None:
         self._conns.pop(key, None)

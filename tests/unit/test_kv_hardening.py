@@ -552,3 +552,46 @@ def test_both_ends_of_the_side_channel_probe_a_silent_peer():
     finally:
         sender.close()
         worker.close()
+
+
+def test_a_decode_host_that_stops_reading_costs_one_send_timeout_not_one_per_transfer(monkeypatch):
+    """A decode host that accepts but never reads (wedged, or lost behind a firewall): the first
+    transfer to it fails after the send timeouts; the others of the batch fail at once instead of
+    stalling the prefill forward for as long again each; a while later it is tried again."""
+    import serve_app.kv.producer as producer
+
+    monkeypatch.setattr(producer, "FAILED_DESTINATION_S", 0.5)
+    listener = socket.create_server((HOST, 0))
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            accepted.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    sender = producer.FrameSender(timeout_s=0.3)
+    big = [b"\0" * (64 << 20)]  # more than the socket buffers hold
+    try:
+        took = []
+        for _ in range(3):  # three transfers of one step to the same host
+            started = time.monotonic()
+            with pytest.raises(OSError):
+                sender.send(HOST, port, big)
+            took.append(time.monotonic() - started)
+        assert took[0] >= 0.5 and max(took[1:]) < 0.1, took
+        time.sleep(0.6)
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            sender.send(HOST, port, big)
+        assert time.monotonic() - started >= 0.5  # tried again, on a fresh connection
+    finally:
+        sender.close()
+        listener.close()
+        for conn in accepted:
+            conn.close()
