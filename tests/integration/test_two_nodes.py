@@ -6,17 +6,23 @@ mount; nothing outside them is touched, not even the host's /run/netns): node 1 
 network namespace (198.18.0.1, the Ray head), node 2 a named network namespace inside it
 (198.18.0.2, a Ray worker node), joined by a veth pair in the benchmarking range 198.18.0.0/15.
 tests/support/two_nodes_driver.py then deploys the app and checks: greedy output token-exact
-against colocated; KV transfers that really went to node 2 (prefill's transfer records name node
-2's side channel); after node 2's raylet is killed under load every in-flight request ends,
-completed token-exact on node 1's engines or with a clear error; the router's counters return to
-zero. Everything started ends with the PID namespace.
+against colocated (the session's baseline app, asked here beforehand); KV transfers that really
+went to node 2 (prefill's transfer records name node 2's side channel); after node 2's raylet is
+killed under load every in-flight request ends, completed token-exact on node 1's engines or
+with a clear error; the router's counters return to zero. Everything started ends with the PID
+namespace.
 """
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from tests.support import namespaces
+from tests.support import two_nodes_driver as driver
+from tests.support.cluster import completion_ids
 
 pytestmark = pytest.mark.engine
 
@@ -53,10 +59,20 @@ exit $rc
 """.replace("PRIVATE_NETNS_DIR", namespaces.PRIVATE_NETNS_DIR)
 
 
-def test_two_nodes_token_exact_kv_across_nodes_and_a_node_lost_under_load():
+def test_two_nodes_token_exact_kv_across_nodes_and_a_node_lost_under_load(baseline_app, tmp_path, monkeypatch):
     reason = namespaces.unavailable(f"{namespaces.PRIVATE_NETNS_DIR} && ip netns add pdprobe && ip netns delete pdprobe")
     if reason:
         pytest.skip(reason)
+    # The colocated reference, from the session's baseline app (the namespaces' cluster then
+    # starts no engine of its own for it).
+    with ThreadPoolExecutor(6) as pool:
+        reference = {
+            part: list(pool.map(lambda case: completion_ids(baseline_app, case[0], case[1])[1], cases))
+            for part, cases in (("prompts", driver.PROMPTS), ("load", driver.LOAD))
+        }
+    path = tmp_path / "reference.json"
+    path.write_text(json.dumps(reference))
+    monkeypatch.setenv(driver.REFERENCE_ENV, str(path))
     result = namespaces.run_script(SCRIPT, prefix="pd2n-", timeout_s=900)
     out = result.stdout[-8000:] + result.stderr[-3000:]
     assert result.returncode == 0, out

@@ -39,17 +39,28 @@ def fail(message: str) -> None:
 # The routers' ports, fixed: this runs in network namespaces of its own, and ports below the
 # kernel's ephemeral range are never handed out by bind(0) or connect() (vLLM, Ray and Serve bind
 # theirs that way while the apps start; a port picked with bind(0) beforehand can be taken).
-SERVE_PORT, PD_PORT, REF_PORT = 28000, 28001, 28002
+SERVE_PORT, PD_PORT = 28000, 28001
 # /pd/engines shows engines' addresses (kv_endpoint, call_endpoint) and records to the operator only.
 OPERATOR_TOKEN = "two-nodes-operator-token"
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+
+
+# Where the test leaves the colocated reference (its session's baseline app, outside the
+# namespaces): {"prompts": [output token ids of PROMPTS], "load": [... of LOAD]}.
+REFERENCE_ENV = "PD_TWO_NODES_REFERENCE"
 
 
 def token_pattern(length: int, seed: int) -> list[int]:
     return [10 + (seed * 131 + i * 17 + (i * i) % 13) % 1000 for i in range(length)]
 
 
-def app_args(name: str, port: int, disaggregated: bool) -> dict[str, Any]:
+# Greedy completions: (prompt, max_tokens). Prompts of every size class the router treats apart,
+# then long streams to be mid-stream when node 2 goes.
+PROMPTS = [(token_pattern(n, seed), 24) for seed, n in enumerate((40, 128, 129, 300, 700, 1000))]
+LOAD = [(token_pattern(200 + 50 * i, 40 + i), 1200) for i in range(6)]
+
+
+def app_args(port: int) -> dict[str, Any]:
     timeouts = {"kv_ready_s": 20, "prefill_s": 30, "first_token_s": 60, "request_s": 180}
     router = {
         "num_cpus": 0.05,
@@ -58,21 +69,14 @@ def app_args(name: str, port: int, disaggregated: bool) -> dict[str, Any]:
         "http": {"host": "127.0.0.1", "port": port},
         "operator_token": OPERATOR_TOKEN,
     }
-    if disaggregated:
-        return {
-            "served_model_name": MODEL,
-            "kv_port_base": 36000,
-            "prefill": {"num_replicas": 1, "num_cpus": 0.1, "resources": {"pd_node1": 0.01}},
-            "decode": {"num_replicas": 2, "num_cpus": 0.1, "resources": {"pd_decode": 1}},
-            # By load, tied engines take turns: the six prompts below alternate between the
-            # nodes (by prefix, each prompt's engine is its hash's).
-            "router": {**router, "mode": "disaggregated", "max_attempts": 6, "balancer": "load"},
-        }
     return {
         "served_model_name": MODEL,
-        "prefill": {"num_replicas": 0},
-        "decode": {"num_replicas": 1, "num_cpus": 0.1, "resources": {"pd_node1": 0.01}},
-        "router": {**router, "mode": "colocated"},
+        "kv_port_base": 36000,
+        "prefill": {"num_replicas": 1, "num_cpus": 0.1, "resources": {"pd_node1": 0.01}},
+        "decode": {"num_replicas": 2, "num_cpus": 0.1, "resources": {"pd_decode": 1}},
+        # By load, tied engines take turns: the six prompts below alternate between the
+        # nodes (by prefix, each prompt's engine is its hash's).
+        "router": {**router, "mode": "disaggregated", "max_attempts": 6, "balancer": "load"},
     }
 
 
@@ -123,11 +127,11 @@ def main() -> None:
     if sorted(nodes) != ["198.18.0.1", NODE2]:
         fail(f"expected two nodes, Ray has {nodes}")
     serve.start(proxy_location="Disabled", http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-    serve.run(build_app(app_args("pd", PD_PORT, True)), name="pd", route_prefix="/pd", blocking=False)
-    serve.run(build_app(app_args("ref", REF_PORT, False)), name="ref", route_prefix="/ref", blocking=False)
-    pd, ref = f"http://127.0.0.1:{PD_PORT}", f"http://127.0.0.1:{REF_PORT}"
+    serve.run(build_app(app_args(PD_PORT)), name="pd", route_prefix="/pd", blocking=False)
+    pd = f"http://127.0.0.1:{PD_PORT}"
+    with open(os.environ[REFERENCE_ENV]) as f:
+        reference = json.load(f)
     wait_healthy(pd)
-    wait_healthy(ref)
     engines = requests.get(pd + "/pd/engines", headers=OPERATOR, timeout=10).json()["engines"]
     hosts = {name: e["kv_endpoint"]["host"] for name, e in engines.items() if name.startswith("decode")}
     remote = [name for name, host in hosts.items() if host == NODE2]
@@ -142,12 +146,10 @@ def main() -> None:
     say(f"two nodes up; decode side channels {hosts}; call endpoints {calls}")
 
     # 1. Greedy output token-exact against colocated, KV pushed across the nodes.
-    prompts = [token_pattern(n, seed) for seed, n in enumerate((40, 128, 129, 300, 700, 1000))]
     crossed = 0
     prefill = serve.get_deployment_handle("prefill", "pd")  # one replica: every call reaches it
-    for prompt in prompts:
-        response_id, got = tokens(pd, prompt, 24)
-        _, want = tokens(ref, prompt, 24)
+    for (prompt, max_tokens), want in zip(PROMPTS, reference["prompts"], strict=True):
+        response_id, got = tokens(pd, prompt, max_tokens)
         if got != want:
             fail(f"prompt of {len(prompt)} tokens: disaggregated {got} != colocated {want}")
         attempt = response_id + "-1"
@@ -157,21 +159,19 @@ def main() -> None:
         crossed += record["pushed_to"].startswith(NODE2 + ":")
     if crossed == 0:
         fail("no KV transfer went to node 2")
-    say(f"{len(prompts)} prompts token-exact; {crossed} KV transfers crossed to node 2")
+    say(f"{len(PROMPTS)} prompts token-exact; {crossed} KV transfers crossed to node 2")
 
     # 2. Node 2 lost under load.
-    load = [token_pattern(200 + 50 * i, 40 + i) for i in range(6)]
-    budget = 1200  # long enough to be mid-stream when the node goes
-    expected = [tokens(ref, p, budget)[1] for p in load]
-    results: list[Any] = [None] * len(load)
+    expected = reference["load"]
+    results: list[Any] = [None] * len(LOAD)
 
     def run(i: int) -> None:
         try:
-            results[i] = complete(pd, load[i], budget)
+            results[i] = complete(pd, *LOAD[i])
         except Exception as exc:  # a hang would be a requests timeout: reported as such
             results[i] = (None, repr(exc))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(load))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(LOAD))]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
