@@ -3,8 +3,9 @@
 Receiving threads (one per connection) read frames and check each one before holding its bytes:
 the wire rules (``wire.py``: version, layout hash, sizes from this engine's own geometry), then the
 transfer's secret, then that its blocks are the transfer's own writable blocks. Checked frames are
-queued; the worker writes them into the KV cache on its own thread between forwards (at a step's
-start, ``on_step``, and at its end, ``results``), and only while their request still waits, so a
+queued; the worker writes them into the KV cache on its own thread between forwards (when vLLM
+starts the step's KV loads, ``on_step``: on vLLM 0.32 after the forward, unless the step has
+synchronous loads; and at the step's end, ``results``), and only while their request still waits, so a
 late frame can never touch blocks the scheduler has handed to another request (vLLM keeps the
 blocks of a request that waits for KV, aborted or not, until the connector reports its receive
 over). A receiving thread that queues a frame (a layer, done or failed frame) or fails transfers
@@ -713,7 +714,9 @@ class ConsumerWorker:
 
     # ------------------------------------------------------------------ worker thread
     def on_step(self, meta: LayerwiseMetadata) -> None:
-        """At the step boundary: forget finished requests, arm new receives, write what came."""
+        """Where vLLM starts the step's KV loads (on 0.32 after the forward, which a waiting
+        request's blocks do not take part in): forget finished requests, arm new receives,
+        write what came."""
         self.doorbell.aim(meta.wake_port, meta.wake_token)
         with self._lock:
             # Drop requests finished (aborted) while waiting before writing anything. vLLM holds

@@ -7,6 +7,7 @@ the router's behaviour and can be tested without Serve. It owns no engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -175,9 +176,11 @@ class Router:
 
     # ------------------------------------------------------------------ handle API
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream the events the HTTP API sends for this request (as dicts)."""
-        async for event in self.service.generate(request):
-            yield event
+        """Stream the events the HTTP API sends for this request (as dicts). Closed with this
+        generator (Serve closes it when the caller goes), so the request is released at once."""
+        async with contextlib.aclosing(self.service.generate(request)) as events:
+            async for event in events:
+                yield event
 
     async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
         """The final response dict (or an OpenAI error body) for this request."""

@@ -30,7 +30,7 @@ from serve_app.router.cdcp import AttemptExecutor
 from serve_app.router.choices import ChoicesSession
 from serve_app.router.client_keys import ClientKeys
 from serve_app.router.engine_client import EngineClient
-from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, error_body, error_kind
+from serve_app.router.errors import CLIENT_CLOSED, OpenAIError, bad_request, error_body, error_kind
 from serve_app.router.framing import SSE_DONE, sse
 from serve_app.router.leak_audit import Discrepancy, LeakAudit
 from serve_app.router.membership import MEMBERSHIP, ReplicaInfo
@@ -358,17 +358,38 @@ class RouterService:
         return {}
 
     # ------------------------------------------------------------------ handle API
+    async def _parse_handle(self, route: Route, request: Any, stream: bool) -> ParsedRequest:
+        """A handle request read as the HTTP API reads its body: the same checks, the same
+        size limit (what its JSON would weigh), the same errors."""
+        if not isinstance(request, dict):
+            raise bad_request("Request body must be a JSON object")
+        body = request if stream else {k: v for k, v in request.items() if k != "stream_options"}
+        size = check_strings(body)
+        limit = self.config.router.http.max_body_bytes
+        if size is not None and size > limit:
+            raise OpenAIError(413, f"Request body of {size} bytes exceeds this server's limit of {limit} bytes")
+        return await self._parse_body(route, {**body, "stream": stream}, size)
+
+    async def _handle_request(self, request: Any, stream: bool) -> tuple[Route, ParsedRequest | dict[str, Any]]:
+        """The route and the parsed request, or the error body a bad one gets (counted)."""
+        route = route_of(request)
+        try:
+            return route, await self._parse_handle(route, request, stream)
+        except OpenAIError as exc:
+            self._count(route, exc.status)
+            return route, exc.body()
+        except Exception:  # a bug of ours, not the caller's: log it, answer in OpenAI form
+            logger.exception("could not parse a %s request", route)
+            self._count(route, 500)
+            return route, error_body("internal error while reading the request", 500)
+
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream the events the HTTP API sends for this request (as dicts), whatever its
         ``stream`` field says; a bad request yields one error event."""
-        route = route_of(request)
         received = time.monotonic()
-        try:
-            size = check_strings(request)
-            parsed = await self._parse_body(route, {**request, "stream": True}, size)
-        except OpenAIError as exc:
-            self._count(route, exc.status)
-            yield exc.body()
+        route, parsed = await self._handle_request(request, stream=True)
+        if isinstance(parsed, dict):
+            yield parsed
             return
         session = self._session(parsed, received)
         with self._in_flight(route, session) as outcome:
@@ -382,15 +403,10 @@ class RouterService:
 
     async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
         """The final response dict (or an OpenAI error body) for this request, non-streaming."""
-        route = route_of(request)
         received = time.monotonic()
-        body = {k: v for k, v in request.items() if k != "stream_options"}
-        try:
-            size = check_strings(body)
-            parsed = await self._parse_body(route, {**body, "stream": False}, size)
-        except OpenAIError as exc:
-            self._count(route, exc.status)
-            return exc.body()
+        _, parsed = await self._handle_request(request, stream=False)
+        if isinstance(parsed, dict):
+            return parsed
         _, response = await self._final(parsed, received)
         return response
 

@@ -482,6 +482,38 @@ def test_a_handle_stream_closed_early_releases_everything(tiny_tokenizer):
     run(body, args(), tiny_tokenizer)
 
 
+def test_the_router_replicas_handle_stream_cancelled_by_serve_releases_its_request_at_once(tiny_tokenizer):
+    """The caller of ``handle.options(stream=True).generate`` goes: Serve throws a cancellation
+    into the replica's generator at its ``yield``. The request's engine calls and leases are
+    released before that returns, not whenever the inner generator is collected."""
+    from serve_app.router.deployment import Router
+
+    async def body(app: App) -> None:
+        replica = SimpleNamespace(service=app.service)  # all the method reads of its replica
+        stream = Router.func_or_class.generate(replica, {"prompt": PROMPT, "max_tokens": 2000})
+        assert "choices" in await anext(stream)
+        assert leased(app, "decode")
+        with pytest.raises(asyncio.CancelledError):
+            await stream.athrow(asyncio.CancelledError())
+        assert not leased(app, "decode") and not leased(app, "prefill")
+
+    run(body, args(), tiny_tokenizer)
+
+
+def test_a_handle_request_gets_the_errors_an_http_request_gets(tiny_tokenizer):
+    """Not an object, or larger than router.http.max_body_bytes as JSON: the OpenAI error body
+    HTTP sends (400, 413), returned or yielded, never a raw exception."""
+
+    async def body(app: App) -> None:
+        for request, status in (([1, 2], 400), ("hi", 400), ({"prompt": "x" * 20000, "max_tokens": 1}, 413)):
+            answer = await app.service.complete(request)
+            assert answer["error"]["code"] == status, (request, answer)
+            events = [event async for event in app.service.generate(request)]
+            assert len(events) == 1 and events[0]["error"]["code"] == status, (request, events)
+
+    run(body, args(router={"http": {"max_body_bytes": 16384}}), tiny_tokenizer)
+
+
 # ---------------------------------------------------------------------------- engine faults
 def test_a_dead_prefill_engine_falls_back_to_colocated(tiny_tokenizer):
     async def body(app: App) -> None:
