@@ -298,15 +298,9 @@ class RouterService:
                 return await asyncio.to_thread(JSONResponse, reply, status)  # encoded off the event loop too
             return JSONResponse(reply, status)
         received = time.monotonic()
-        try:
-            parsed = await self._parse(route, raw_body, headers)
-        except OpenAIError as exc:
-            self._count(route, exc.status)
-            return JSONResponse(exc.body(), exc.status)
-        except Exception:  # a bug of ours, not the client's: log it, answer in OpenAI form
-            logger.exception("could not parse a %s request", route)
-            self._count(route, 500)
-            return JSONResponse(error_body("internal error while reading the request", 500), 500)
+        parsed = await self._parsed_or_error(route, self._parse(route, raw_body, headers))
+        if isinstance(parsed, tuple):
+            return JSONResponse(parsed[1], parsed[0])
         if not parsed.stream:
             status, body = await self._final(parsed, received)
             if sum(choice.prompt_logprob_entries for choice in parsed.choices) > OFFLOAD_LOGPROB_ENTRIES:
@@ -328,6 +322,19 @@ class RouterService:
             await stack.aclose()
             return JSONResponse(first[0], session.status)
         return SessionStreamingResponse(sse_body(session, first, batches, outcome), stack.aclose)
+
+    async def _parsed_or_error(self, route: Route, parsing: Awaitable[ParsedRequest]) -> ParsedRequest | tuple[int, dict[str, Any]]:
+        """The parsed request, or the status and OpenAI error body a bad one gets, counted: one
+        answer for HTTP and the handle API alike, and never a raw exception to the caller."""
+        try:
+            return await parsing
+        except OpenAIError as exc:
+            status, body = exc.status, exc.body()
+        except Exception:  # a bug of ours, not the client's: log it, answer in OpenAI form
+            logger.exception("could not parse a %s request", route)
+            status, body = 500, error_body("internal error while reading the request", 500)
+        self._count(route, status)
+        return status, body
 
     def models(self) -> dict[str, Any]:
         from serve_app.runtime.compat import ModelCard, ModelList
@@ -373,15 +380,8 @@ class RouterService:
     async def _handle_request(self, request: Any, stream: bool) -> tuple[Route, ParsedRequest | dict[str, Any]]:
         """The route and the parsed request, or the error body a bad one gets (counted)."""
         route = route_of(request)
-        try:
-            return route, await self._parse_handle(route, request, stream)
-        except OpenAIError as exc:
-            self._count(route, exc.status)
-            return route, exc.body()
-        except Exception:  # a bug of ours, not the caller's: log it, answer in OpenAI form
-            logger.exception("could not parse a %s request", route)
-            self._count(route, 500)
-            return route, error_body("internal error while reading the request", 500)
+        parsed = await self._parsed_or_error(route, self._parse_handle(route, request, stream))
+        return route, parsed[1] if isinstance(parsed, tuple) else parsed
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream the events the HTTP API sends for this request (as dicts), whatever its
