@@ -155,6 +155,23 @@ async def sse_body(
     outcome.status = session.status
 
 
+async def ended_by_an_error_event(
+    session: ResponseSession | ChoicesSession, batches: AsyncIterator[list[dict[str, Any]]], route: Route
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """The session's groups of events; a bug of ours raised while it streams ends the stream
+    with a 500 error event, as vLLM's server ends its streams, instead of a connection cut
+    without ``[DONE]`` or an exception raised into a handle caller. The session's own closing
+    (aclosing) still releases its engines and leases."""
+    async with contextlib.aclosing(batches):  # type: ignore[type-var]
+        try:
+            async for batch in batches:
+                yield batch
+        except Exception:
+            logger.exception("a streamed %s request failed", route)
+            session.status = 500
+            yield [error_body("internal error while answering the request", 500)]
+
+
 def reply_parsers(config: AppConfig, tokenizer: Any) -> dict[str, Any]:
     """vLLM's parsers of the model's replies, as ModelContext takes them: the tool-call parser
     (with the reasoning parser, if any, ahead of it) for tool_choice "auto", and the reasoning
@@ -307,7 +324,7 @@ class RouterService:
                 return await asyncio.to_thread(JSONResponse, body, status)  # encoded off the event loop too
             return JSONResponse(body, status)
         session = self._session(parsed, received)
-        batches = session.event_batches()
+        batches = ended_by_an_error_event(session, session.event_batches(), route)
         stack = AsyncExitStack()
         outcome = stack.enter_context(self._in_flight(route, session))
         stack.push_async_callback(batches.aclose)  # type: ignore[attr-defined]
@@ -393,7 +410,8 @@ class RouterService:
             return
         session = self._session(parsed, received)
         with self._in_flight(route, session) as outcome:
-            async with contextlib.aclosing(session.event_batches()) as batches:  # released however the caller leaves
+            events = ended_by_an_error_event(session, session.event_batches(), route)
+            async with contextlib.aclosing(events) as batches:  # released however the caller leaves
                 async for batch in batches:
                     for event in batch:  # a failure ends the stream with an error event
                         started = time.perf_counter()
@@ -532,7 +550,11 @@ class RouterService:
     async def _final(self, parsed: ParsedRequest, received_at: float | None = None) -> tuple[int, dict[str, Any]]:
         session = self._session(parsed, received_at)
         with self._in_flight(parsed.route, session) as outcome:
-            status, body = await session.final_response()
+            try:
+                status, body = await session.final_response()
+            except Exception:  # a bug of ours: an OpenAI error, as vLLM's server answers, not Starlette's text
+                logger.exception("a %s request failed", parsed.route)
+                status, body = 500, error_body("internal error while answering the request", 500)
             outcome.status = status
             return status, body
 

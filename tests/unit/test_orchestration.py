@@ -514,6 +514,50 @@ def test_a_handle_request_gets_the_errors_an_http_request_gets(tiny_tokenizer):
     run(body, args(router={"http": {"max_body_bytes": 16384}}), tiny_tokenizer)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_bug_of_ours_mid_response_ends_it_with_an_openai_error_and_releases_everything(tiny_tokenizer, n):
+    """Framing fails at a stream's third group or a whole response (a bug of ours, e.g. in a reply parser): over
+    HTTP a stream ends with a 500 error event and ``[DONE]`` (as vLLM's server ends one), a
+    whole response is a 500 OpenAI error body, not Starlette's plain text; over the handle API
+    the same events and body, never an exception raised into the caller; nothing is held."""
+    from serve_app.router.framing import ResponseFramer
+
+    chunks = ResponseFramer.chunks
+    calls = 0
+
+    def failing(self: ResponseFramer, emission: Any) -> list[dict[str, Any]]:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("a bug of ours")
+        return chunks(self, emission)
+
+    def final(self: ResponseFramer, **_: Any) -> dict[str, Any]:
+        raise RuntimeError("a bug of ours")
+
+    async def body(app: App) -> None:
+        nonlocal calls
+        raw = {"prompt": PROMPT, "max_tokens": 40, "n": n, "temperature": 0 if n == 1 else 1.0}
+        for stream in (True, False):
+            calls = 0
+            status, got = await body_of(await app.service.http("completions", json.dumps({**raw, "stream": stream}).encode()))
+            if stream:
+                assert status == 200 and got[-1] == "[DONE]", got
+                assert got[-2]["error"]["code"] == 500 and all("error" not in event for event in got[:-2]), got
+            else:
+                assert status == 500 and got["error"]["code"] == 500 and got["error"]["type"] == "internal_error", got
+            calls = 0
+            events = [event async for event in app.service.generate({**raw, "stream": True})]
+            assert events[-1]["error"]["code"] == 500 and all("error" not in event for event in events[:-1]), events
+            calls = 0
+            answer = await app.service.complete(raw)
+            assert answer["error"]["code"] == 500, answer
+        await wait_until(lambda: not leased(app, "decode") and not leased(app, "prefill"))
+
+    with mock.patch.object(ResponseFramer, "chunks", failing), mock.patch.object(ResponseFramer, "final", final):
+        run(body, args(), tiny_tokenizer)
+
+
 # ---------------------------------------------------------------------------- engine faults
 def test_a_dead_prefill_engine_falls_back_to_colocated(tiny_tokenizer):
     async def body(app: App) -> None:
