@@ -1,4 +1,4 @@
-"""Engine process hygiene without Ray: the parent watchdog, and settling the KV port at start."""
+"""Engine process hygiene without Ray: the parent watchdog, the quick exit, and settling the KV port at start."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from unittest import mock
 
 import pytest
 
@@ -75,6 +76,52 @@ def test_the_watchdog_stays_out_of_processes_that_are_not_engine_children(monkey
     monkeypatch.setenv(ENV, "1")
     watchdog.install()  # this pytest process has no multiprocessing parent
     assert watchdog._started is False
+
+
+EXITING_CHILD = textwrap.dedent(
+    """
+    import atexit, gc, multiprocessing, sys
+
+    def child():
+        # Registered before the plug-in, so it runs after it: what the interpreter's last
+        # collections would find still to traverse.
+        atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count(), flush=True))
+        from serve_app.vllm_plugins.quick_exit import install
+        install()
+        sys.exit(0)  # as a spawned vLLM process ends
+
+    if __name__ == "__main__":
+        p = multiprocessing.get_context("spawn").Process(target=child)
+        p.start()
+        p.join()
+    """
+)
+
+
+@pytest.mark.slow  # a spawned child process
+@pytest.mark.parametrize("enabled", [True, False])
+def test_an_engine_child_process_exits_with_its_heap_frozen(tmp_path, enabled):
+    """vLLM un-freezes its heap on shutdown; an engine's child process freezes it again at exit,
+    after every other exit handler, so the interpreter's final collections skip it. Only in a
+    pd-serve engine's children: elsewhere nothing changes."""
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_CHILD)
+    env = {**os.environ, ENV: "1" if enabled else "0", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    frozen = int(out.stdout.split("frozen at exit:")[1].split()[0])
+    assert (frozen > 10_000) is enabled, out.stdout + out.stderr
+
+
+def test_the_quick_exit_stays_out_of_processes_that_are_not_engine_children(monkeypatch):
+    import atexit
+
+    import serve_app.vllm_plugins.quick_exit as quick_exit
+
+    monkeypatch.setattr(quick_exit, "_installed", False)
+    monkeypatch.setenv(ENV, "1")
+    with mock.patch.object(atexit, "register") as register:
+        quick_exit.install()  # this pytest process has no multiprocessing parent
+    assert not register.called and quick_exit._installed is False
 
 
 def kv_kwargs(port: int) -> dict:
