@@ -22,7 +22,7 @@ from serve_app.engines.load_report import LatencyWindow
 from serve_app.engines.pacing import StreamPacer
 from serve_app.engines.runner import EngineRunner
 from serve_app.runtime.cpu_placement import keep_off_engine_cores
-from serve_app.runtime.gc_heap import freeze_startup_heap
+from serve_app.runtime.gc_heap import collection_paused, freeze_startup_heap
 from serve_app.runtime.logs import quiet_cancelled_requests, serve_log_file_kept, to_serve_logs
 from serve_app.runtime.metrics import engine_metrics
 from serve_app.runtime.slots import Slot, claim_slot
@@ -71,58 +71,61 @@ class EngineServer:
     """Base of ``Prefill`` and ``Decode``: a Serve replica that owns exactly one engine."""
 
     async def __init__(self, spec: EngineSpec | PoolSpec, drain_s: float = 0.0) -> None:
-        to_serve_logs()
-        quiet_cancelled_requests()
-        self.replica_id: str | None = None
-        self.slot: Slot | None = None
-        if isinstance(spec, PoolSpec):
-            rank, self.replica_id = replica_identity()
-            # Its KV port block: the first from its rank's that no live engine of its pool on
-            # this node holds (runtime/slots.py: Serve renumbers live replicas' ranks).
-            self.slot = claim_slot(spec.slot_group, rank)
-            if self.slot.number != rank:
-                logger.info(
-                    "%s-%d: a live engine on this node holds that rank's KV port block: this one takes block %d",
-                    spec.role,
-                    rank,
-                    self.slot.number,
-                )
-            beyond = spec.beyond_args(self.slot.number)
-            if beyond:
-                logger.warning("pd-serve config: %s", beyond)
-            spec = spec.for_rank(rank, self.replica_id, port_slot=self.slot.number)
-            # This rank's own thread binding: the deployment's runtime_env holds rank 0's.
-            os.environ.update(spec.env)
-        self.spec = spec
-        self.drain_s = drain_s
-        self.draining = False
-        self.calls_started = 0.0  # when the last engine call arrived
-        self._stopped = False
-        self._prompt_tokens = 0  # prefill: prompt tokens of the calls in progress
-        self.epoch = uuid.uuid4().hex  # this engine's start: its prefix cache begins empty
-        self.prompt_tokens_total = 0
-        self.prefix_hit_tokens_total = 0
-        self.kv_bytes_pushed_total = 0
-        self.latency = LatencyWindow(autoscaling.LATENCY_WINDOW_S)  # prefill: TTFT share; decode: ITL
-        backend = BACKENDS[spec.backend]
-        prepare_engine_environment(backend, os.environ, spec.notes)
-        listens = spec.role == "decode" or backend.prefill_listens
-        engine_kwargs, self.kv_endpoint = settle_kv_endpoint(
-            spec.engine_kwargs, listens=listens, fallback=backend.kv_port_fallback, pass_host=backend.connector_reads_kv_host
-        )
-        self.runner = make_runner(spec, engine_kwargs, self.kv_endpoint)
-        # AsyncLLM binds its sockets to this event loop, so it is built here, not in a thread.
-        with serve_log_file_kept():
-            await self.runner.start()
-        # Only after the engine's processes have started: they would inherit this placement.
-        keep_off_engine_cores(set(spec.engines_cores), f"engine replica {spec.name}")
-        self._tags = {"role": spec.role, "engine": spec.name}
-        self._metrics = engine_metrics()
-        self._gauge_task = asyncio.get_running_loop().create_task(self._report_gauges())
-        # Last: the router learns of it from the replica's metadata or its stats, and then its
-        # calls may come at once.
-        self.call_server = EngineCallServer(side_channel_host(), self) if spec.call_server else None
-        freeze_startup_heap(f"engine replica {spec.name}")
+        # Start-up builds the heap the replica keeps (vLLM, torch, the engine's configuration):
+        # no collection walks it while it grows, and it is frozen once built (runtime/gc_heap.py).
+        with collection_paused():
+            to_serve_logs()
+            quiet_cancelled_requests()
+            self.replica_id: str | None = None
+            self.slot: Slot | None = None
+            if isinstance(spec, PoolSpec):
+                rank, self.replica_id = replica_identity()
+                # Its KV port block: the first from its rank's that no live engine of its pool on
+                # this node holds (runtime/slots.py: Serve renumbers live replicas' ranks).
+                self.slot = claim_slot(spec.slot_group, rank)
+                if self.slot.number != rank:
+                    logger.info(
+                        "%s-%d: a live engine on this node holds that rank's KV port block: this one takes block %d",
+                        spec.role,
+                        rank,
+                        self.slot.number,
+                    )
+                beyond = spec.beyond_args(self.slot.number)
+                if beyond:
+                    logger.warning("pd-serve config: %s", beyond)
+                spec = spec.for_rank(rank, self.replica_id, port_slot=self.slot.number)
+                # This rank's own thread binding: the deployment's runtime_env holds rank 0's.
+                os.environ.update(spec.env)
+            self.spec = spec
+            self.drain_s = drain_s
+            self.draining = False
+            self.calls_started = 0.0  # when the last engine call arrived
+            self._stopped = False
+            self._prompt_tokens = 0  # prefill: prompt tokens of the calls in progress
+            self.epoch = uuid.uuid4().hex  # this engine's start: its prefix cache begins empty
+            self.prompt_tokens_total = 0
+            self.prefix_hit_tokens_total = 0
+            self.kv_bytes_pushed_total = 0
+            self.latency = LatencyWindow(autoscaling.LATENCY_WINDOW_S)  # prefill: TTFT share; decode: ITL
+            backend = BACKENDS[spec.backend]
+            prepare_engine_environment(backend, os.environ, spec.notes)
+            listens = spec.role == "decode" or backend.prefill_listens
+            engine_kwargs, self.kv_endpoint = settle_kv_endpoint(
+                spec.engine_kwargs, listens=listens, fallback=backend.kv_port_fallback, pass_host=backend.connector_reads_kv_host
+            )
+            self.runner = make_runner(spec, engine_kwargs, self.kv_endpoint)
+            # AsyncLLM binds its sockets to this event loop, so it is built here, not in a thread.
+            with serve_log_file_kept():
+                await self.runner.start()
+            # Only after the engine's processes have started: they would inherit this placement.
+            keep_off_engine_cores(set(spec.engines_cores), f"engine replica {spec.name}")
+            self._tags = {"role": spec.role, "engine": spec.name}
+            self._metrics = engine_metrics()
+            self._gauge_task = asyncio.get_running_loop().create_task(self._report_gauges())
+            # Last: the router learns of it from the replica's metadata or its stats, and then its
+            # calls may come at once.
+            self.call_server = EngineCallServer(side_channel_host(), self) if spec.call_server else None
+        freeze_startup_heap(f"engine replica {self.spec.name}")
 
     async def _report_gauges(self) -> None:
         while True:

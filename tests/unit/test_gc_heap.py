@@ -27,3 +27,29 @@ def test_freezes_the_live_heap_and_collects_startup_garbage_first() -> None:
         assert later_ref() is None
     finally:
         gc.unfreeze()
+
+
+def test_collection_paused_runs_no_automatic_collection_and_restores_the_collector() -> None:
+    import pytest
+
+    from serve_app.runtime.gc_heap import collection_paused
+
+    assert gc.isenabled()
+    collections = []
+    gc.callbacks.append(collect := lambda phase, info: collections.append(phase))
+    try:
+        with collection_paused():
+            assert not gc.isenabled()
+            keep = [Node() for _ in range(50_000)]  # enough to trigger young collections if enabled
+            inside = len(collections)
+        assert inside == 0 and gc.isenabled() and keep
+        with pytest.raises(RuntimeError), collection_paused():
+            raise RuntimeError("a start that fails")
+        assert gc.isenabled()
+        gc.disable()  # a caller that had it off keeps it off
+        with collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.callbacks.remove(collect)
