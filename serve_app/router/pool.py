@@ -33,7 +33,7 @@ from serve_app.router.balancer import EngineLoad, ScoreFn, candidates, decode_sc
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.leak_audit import LeakAudit
 from serve_app.router.membership import ReplicaInfo, diff
-from serve_app.router.prefix_index import PrefixIndex, RecentWork, chain_keys, choose
+from serve_app.router.prefix_index import PrefixIndex, RecentWork, chain_keys, choose, engine_salt
 from serve_app.wire.protocol import EngineCallEndpoint, EngineRequest, EngineStats, KVEndpoint, Role
 
 logger = logging.getLogger("pd_serve.router")
@@ -279,12 +279,21 @@ class EnginePool:
             max_imbalance=self.prefix.max_imbalance,
             request_load=request_load,
             request_work=request_load * factor,
+            salt=self._salt,
         )
         recent.add(name, request_load, factor)
         self.prefix.index.record(name, prefix_keys)
         if self.on_prefix_choice is not None and blocks:
             self.on_prefix_choice(role, name, blocks * self.prefix.block_tokens)
         return self.loads[name]
+
+    def _salt(self, name: str) -> int:
+        """An engine's rendezvous salt, from its Serve replica id where it has one: router
+        replicas name one engine differently (``decode-0`` in one, ``decode-0.<id>`` in another
+        that still holds an earlier engine of that name, or two live engines of one name after
+        Serve renumbered ranks), and must still send a new prefix to the same engine."""
+        member = self.members.get(name)
+        return engine_salt(member.replica_id if member is not None and member.replica_id else name)
 
     @contextmanager
     def lease(self, name: str, tokens: int) -> Iterator[EngineLoad]:

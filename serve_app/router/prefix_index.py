@@ -249,16 +249,18 @@ def choose(
     max_imbalance: float,
     request_load: int,
     request_work: float = 0.0,
+    salt: Callable[[str], int] = engine_salt,
 ) -> tuple[str, int]:
-    """(the engine for a prompt with these block keys, the blocks it is expected to hold)."""
+    """(the engine for a prompt with these block keys, the blocks it is expected to hold).
+    ``salt``: each engine's rendezvous salt, by name unless the caller knows a better identity."""
     eligible = within_bound(candidates, max_imbalance, request_load, request_work)
     best, holding = index.deepest(keys, index.mask(c[0] for c in eligible))
     tied = index.names(holding) if holding else {c[0] for c in eligible}
     if len(tied) == 1:
         return next(iter(tied)), best
     if best < len(keys):
-        return rendezvous(keys[best], tied), best
+        return rendezvous(keys[best], tied, salt), best
     if keys:  # the whole prompt is held by several: the least loaded of them
         loads = {c[0]: c[1] for c in eligible}
-        return min(tied, key=lambda name: (loads[name], -weight(keys[-1], engine_salt(name)))), best
+        return min(tied, key=lambda name: (loads[name], -weight(keys[-1], salt(name)))), best
     return min(eligible, key=lambda c: c[1])[0], 0

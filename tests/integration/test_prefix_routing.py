@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import requests
 
-from serve_app.router.prefix_index import chain_keys, rendezvous
+from serve_app.router.prefix_index import chain_keys, engine_salt, rendezvous
 from tests.support.cluster import completion_ids, deployed, inspect, sse_chunks, token_pattern, wait_idle
 
 pytestmark = pytest.mark.engine
@@ -26,9 +26,6 @@ ARGS = {
     "decode": {"num_replicas": 2, "num_cpus": 0.1},
     "router": {"mode": "colocated", "num_cpus": 0.05, "balancer": "prefix", "prefix": {"max_imbalance": 1.3}},
 }
-# Four prefixes the rule places two on each engine, so the bound never moves one while they take
-# turns (which the second test shows it does when one engine gets more than its share).
-PREFIXES = [token_pattern(2 * BLOCK, seed=seed) for seed in (700, 701, 702, 710)]
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +40,33 @@ def engine_counts(app) -> dict[str, tuple[int, int]]:
     return {n: (e["prompt_tokens_total"], e["prefix_hit_tokens_total"]) for n, e in engines.items() if e["role"] == "decode"}
 
 
+def home(app, prefix: list[int], names: list[str]) -> str:
+    """Where every router replica sends a new prefix: rendezvous on its first block, salted by
+    each engine's Serve replica id."""
+    replica = {name: e["replica"] for name, e in app.snapshot()["engines"].items()}
+    return rendezvous(chain_keys(prefix, BLOCK)[0], names, lambda name: engine_salt(replica[name]))
+
+
+def balanced_prefixes(app, names: list[str]) -> list[list[int]]:
+    """Four prefixes the rule places two on each engine (the engines' replica ids, and so the
+    placement, are new every run), so the bound never moves one while they take turns (which
+    the second test shows it does when one engine gets more than its share)."""
+    chosen: dict[str, list[list[int]]] = {name: [] for name in names}
+    for seed in range(700, 800):
+        prefix = token_pattern(2 * BLOCK, seed=seed)
+        if len(chosen[home(app, prefix, names)]) < 2:
+            chosen[home(app, prefix, names)].append(prefix)
+    return [prefix for pair in zip(*chosen.values()) for prefix in pair]
+
+
 def test_each_prefix_sticks_to_the_engine_the_rule_names_and_hits_its_cache(app, baseline_app):
     names = sorted(engine_counts(app))
     assert names == ["decode-0", "decode-1"]
-    served: dict[int, list[str]] = {i: [] for i in range(len(PREFIXES))}
+    prefixes = balanced_prefixes(app, names)
+    assert len(prefixes) == 4
+    served: dict[int, list[str]] = {i: [] for i in range(len(prefixes))}
     for turn in range(3):
-        for i, prefix in enumerate(PREFIXES):
+        for i, prefix in enumerate(prefixes):
             prompt = prefix + token_pattern(20, seed=7000 + 10 * i + turn)
             before = engine_counts(app)
             _, tokens = completion_ids(app, prompt, max_tokens=8)
@@ -62,7 +80,7 @@ def test_each_prefix_sticks_to_the_engine_the_rule_names_and_hits_its_cache(app,
             assert tokens == reference
     for i, engines in served.items():
         # A new prefix goes where every router replica would send it: rendezvous on its first block.
-        assert engines == [rendezvous(chain_keys(PREFIXES[i], BLOCK)[0], names)] * 3, served
+        assert engines == [home(app, prefixes[i], names)] * 3, served
     wait_idle(app)
 
 
@@ -85,8 +103,8 @@ def test_a_prefix_moves_on_only_once_its_engine_is_past_the_bound(app):
     stay on the prefix's engine; once its load passes 1.3x the mean (plus a request's), the next
     goes to the other engine."""
     names = sorted(engine_counts(app))
-    prefix = PREFIXES[0]
-    home = rendezvous(chain_keys(prefix, BLOCK)[0], names)
+    prefix = token_pattern(2 * BLOCK, seed=700)
+    home_engine = home(app, prefix, names)
     streams = 5
     with ThreadPoolExecutor(streams) as pool:
         futures = []
@@ -103,10 +121,10 @@ def test_a_prefix_moves_on_only_once_its_engine_is_past_the_bound(app):
             if record is not None:
                 engine_of[attempt] = name
     order = [engine_of[f"{rid}-1"] for rid, _ in results]
-    first_away = next((k for k, name in enumerate(order) if name != home), None)
+    first_away = next((k for k, name in enumerate(order) if name != home_engine), None)
     # Two streams fit under the bound on an idle pair (load <= r / (1 - 1.3 / 2) with one
     # request's load r); the other engine takes one by the fourth.
-    assert order[:2] == [home, home] and first_away is not None and first_away <= 3, order
+    assert order[:2] == [home_engine, home_engine] and first_away is not None and first_away <= 3, order
     wait_idle(app)
 
 

@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -236,6 +237,32 @@ def test_the_pool_picks_by_prefix_records_the_choice_and_reports_it():
     assert other.name != first.name
     assert pool.pick("decode", prefix_keys=[], request_load=1) is not None  # no whole block: by load
     assert EnginePool({}).prefix_keys(prompt(3)) == []  # router.balancer: load
+
+
+def test_router_replicas_that_name_an_engine_differently_send_a_new_prefix_to_the_same_engine():
+    """One router still holds an earlier engine named decode-0 and calls the new one
+    decode-0.<id>; after Serve renumbers ranks two live engines can even swap names between
+    routers. The rendezvous goes by each engine's Serve replica id, not the name it has here."""
+    from serve_app.router.membership import ReplicaInfo
+
+    def router(order: list[tuple[str, str]]) -> EnginePool:
+        pool = EnginePool({}, prefix=PrefixRouting(block_tokens=B, max_imbalance=1.3))
+        pool.attach("decode", SimpleNamespace(options=lambda **_: None))
+        for replica_id, name in order:
+            pool.join(ReplicaInfo(replica_id=replica_id, role="decode", name=name))
+        return pool
+
+    # Replica ids chosen so that by name alone the two routers disagree on some prefixes.
+    a = router([("aaaaaaaa1", "decode-0"), ("bbbbbbbb2", "decode-0")])  # b is "decode-0.bbbbbbbb" here
+    b = router([("bbbbbbbb2", "decode-0"), ("aaaaaaaa1", "decode-0")])  # a is "decode-0.aaaaaaaa" here
+    replica = {pool_: {name: m.replica_id for name, m in pool_.members.items()} for pool_ in (a, b)}
+    chosen = []
+    for seed in range(40):
+        keys = a.prefix_keys(prompt(100 + seed))
+        got = [replica[pool_][pool_.pick("decode", prefix_keys=keys, request_load=1).name] for pool_ in (a, b)]
+        chosen.append(got[0])
+        assert got[0] == got[1], seed
+    assert set(chosen) == {"aaaaaaaa1", "bbbbbbbb2"}  # both engines take new prefixes
 
 
 def test_the_pool_keeps_the_index_honest_from_the_engines_stats():
