@@ -161,13 +161,22 @@ async def ended_by_an_error_event(
     """The session's groups of events; a bug of ours raised while it streams ends the stream
     with a 500 error event, as vLLM's server ends its streams, instead of a connection cut
     without ``[DONE]`` or an exception raised into a handle caller. The session's own closing
-    (aclosing) still releases its engines and leases."""
+    (aclosing) still releases its engines and leases. Not after the response is whole (a bug in
+    what runs after its last group: the client keeps a complete answer, the bug is logged), and
+    never in place of a cancellation (the client left; a bug in its clean-up is logged)."""
+    whole = False  # the last group yielded finished the response
     async with contextlib.aclosing(batches):  # type: ignore[type-var]
         try:
             async for batch in batches:
+                whole = session.finished
                 yield batch
         except Exception:
             logger.exception("a streamed %s request failed", route)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            if whole:
+                return
             session.status = 500
             yield [error_body("internal error while answering the request", 500)]
 

@@ -53,3 +53,49 @@ def test_collection_paused_runs_no_automatic_collection_and_restores_the_collect
     finally:
         gc.enable()
         gc.callbacks.remove(collect)
+
+
+def test_an_engine_replica_starts_its_engine_with_the_collector_paused_then_freezes_the_heap(tmp_path, monkeypatch) -> None:
+    """The engine replica's start (here a mock engine's) runs with no automatic collection; the
+    collector is back on, and the start-up heap frozen, once the replica is up."""
+    import asyncio
+    from unittest import mock
+
+    from serve_app.config.backends import pool_spec
+    from serve_app.config.settings import load_config
+    from serve_app.engines.decode import Decode
+    from serve_app.engines.mock_runner import MockEngine
+    from serve_app.runtime.slots import SLOT_DIR_ENV
+    from tests.support.inprocess import args, kv_port_base, null_engine_metrics
+
+    monkeypatch.setenv(SLOT_DIR_ENV, str(tmp_path))
+    spec = pool_spec(load_config({"kv_port_base": kv_port_base(), **args()}), "decode")
+    seen: list[bool] = []
+    start = MockEngine.start
+
+    async def recording_start(self: MockEngine) -> None:
+        seen.append(gc.isenabled())
+        await start(self)
+
+    async def body() -> None:
+        server = Decode.func_or_class.__new__(Decode.func_or_class)
+        with (
+            mock.patch.object(MockEngine, "start", recording_start),
+            mock.patch("serve_app.engines.server.replica_identity", return_value=(0, "r0")),
+            mock.patch("serve_app.engines.server.engine_metrics", null_engine_metrics),
+        ):
+            await server.__init__(spec)
+        try:
+            assert seen == [False] and gc.isenabled() and gc.get_freeze_count() > 0
+        finally:
+            if server.call_server is not None:
+                await server.call_server.stop()
+            stopping = server.__del__()
+            if stopping is not None:
+                await stopping
+
+    try:
+        asyncio.run(body())
+    finally:
+        gc.enable()
+        gc.unfreeze()

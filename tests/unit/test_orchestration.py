@@ -552,10 +552,37 @@ def test_a_bug_of_ours_mid_response_ends_it_with_an_openai_error_and_releases_ev
             calls = 0
             answer = await app.service.complete(raw)
             assert answer["error"]["code"] == 500, answer
+        assert metrics.requests.value(route="completions", status="500") == 6  # each counted once
         await wait_until(lambda: not leased(app, "decode") and not leased(app, "prefill"))
 
+    metrics = recording_router_metrics()
     with mock.patch.object(ResponseFramer, "chunks", failing), mock.patch.object(ResponseFramer, "final", final):
-        run(body, args(), tiny_tokenizer)
+        run(body, args(), tiny_tokenizer, metrics)
+
+
+def test_a_bug_of_ours_after_a_streams_last_group_leaves_the_whole_answer_to_the_client(tiny_tokenizer):
+    """What runs after the last group (an attempt's bookkeeping) fails: the client already has
+    the whole answer; the stream ends as usual, with no error event that would make a client
+    throw the answer away, and the request counts as served."""
+    from serve_app.router.session import ResponseSession
+
+    def failing(self: ResponseSession, *_: Any) -> None:
+        raise RuntimeError("a bug of ours")
+
+    async def body(app: App) -> None:
+        raw = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True, "stream": True}
+        raw["stream_options"] = {"include_usage": True}
+        status, got = await body_of(await app.service.http("completions", json.dumps(raw).encode()))
+        assert status == 200 and got[-1] == "[DONE]" and all("error" not in event for event in got[:-1]), got
+        assert tokens_of(got) == expected(PROMPT, 12) and got[-2]["usage"]["completion_tokens"] == 12
+        events = [event async for event in app.service.generate(raw)]
+        assert all("error" not in event for event in events) and events[-1]["usage"]["completion_tokens"] == 12, events
+        assert metrics.requests.value(route="completions", status="200") == 2
+        await wait_until(lambda: not leased(app, "decode") and not leased(app, "prefill"))
+
+    metrics = recording_router_metrics()
+    with mock.patch.object(ResponseSession, "_observe_end", failing):
+        run(body, args(), tiny_tokenizer, metrics)
 
 
 # ---------------------------------------------------------------------------- engine faults
