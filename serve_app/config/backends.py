@@ -21,10 +21,10 @@ from serve_app.config.settings import DEFAULT_ITEMS_PER_S, AppConfig, EngineGrou
 from serve_app.runtime.cpu_placement import engines_cpus
 from serve_app.vllm_plugins.core_affinity import ENV as CORE_BIND_ENV
 from serve_app.vllm_plugins.gloo_device import ENV as SHARED_GLOO_DEVICE_ENV
+from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV
 from serve_app.vllm_plugins.seeded_sampling import ENV as SEEDED_SAMPLING_ENV
 from serve_app.vllm_plugins.spin import CORE_ENV as CORE_SPIN_ENV
 from serve_app.vllm_plugins.spin import ENV as SPIN_ENV
-from serve_app.vllm_plugins.watchdog import ENV as WATCHDOG_ENV
 from serve_app.wire.protocol import Role
 
 logger = logging.getLogger("pd_serve.engine")
@@ -108,7 +108,7 @@ CPU = Backend(
         "VLLM_HOST_IP": "127.0.0.1",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        WATCHDOG_ENV: "1",
+        ENGINE_CHILD_ENV: "1",  # the watchdog and quick-exit plug-ins act in its engine's processes
         SPIN_ENV: str(ENGINE_SPIN_S),
         CORE_SPIN_ENV: str(ENGINE_CORE_SPIN_S),
         SHARED_GLOO_DEVICE_ENV: "1",
@@ -152,7 +152,7 @@ ASCEND = Backend(
         "OMP_PROC_BIND": "false",
         "OMP_NUM_THREADS": "10",
         "TASK_QUEUE_ENABLE": "1",
-        WATCHDOG_ENV: "1",
+        ENGINE_CHILD_ENV: "1",  # the watchdog and quick-exit plug-ins act in its engine's processes
     },
     extra_config_has_tp_sizes=True,
     accelerator_resource="NPU",

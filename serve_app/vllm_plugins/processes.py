@@ -15,6 +15,9 @@ import os
 
 ENGINE_CORE_PROCESS = "EngineCore"
 WORKER_PROCESS = "VllmWorker-"
+# Set to "1" in a pd-serve engine replica's environment (config/backends.py), which its engine's
+# processes inherit; named for the first plug-in that needed it.
+ENGINE_CHILD_ENV = "PD_SERVE_PARENT_WATCHDOG"
 
 
 def named(prefix: str) -> bool:
@@ -35,3 +38,9 @@ def in_engine_core() -> bool:
 def runs_the_model() -> bool:
     """A vLLM worker process, or a process that runs its engine (and model) in-process."""
     return engine_in_process() or named(WORKER_PROCESS)
+
+
+def pd_serve_engine_child() -> bool:
+    """A child process of a pd-serve engine: the EngineCore or a worker. The replica itself, and
+    an engine run in-process, have no multiprocessing parent."""
+    return os.environ.get(ENGINE_CHILD_ENV) == "1" and multiprocessing.parent_process() is not None

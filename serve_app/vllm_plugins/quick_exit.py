@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import atexit
 import gc
-import multiprocessing
-import os
 
-from serve_app.vllm_plugins.watchdog import ENV
+from serve_app.vllm_plugins.processes import pd_serve_engine_child
 
 _installed = False
 
 
 def install() -> None:
     global _installed
-    if _installed or os.environ.get(ENV) != "1" or multiprocessing.parent_process() is None:
-        return  # not a pd-serve engine's child process (the replica itself has no mp parent)
+    if _installed or not pd_serve_engine_child():
+        return
     _installed = True
     atexit.register(gc.freeze)

@@ -14,15 +14,15 @@ soon as its parent is gone, that is, as soon as it has been re-parented.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import threading
 import time
 
+from serve_app.vllm_plugins.processes import pd_serve_engine_child
+
 logger = logging.getLogger("pd_serve.engine")
 
-ENV = "PD_SERVE_PARENT_WATCHDOG"
 POLL_S = 0.5
 
 _started = False
@@ -30,8 +30,8 @@ _started = False
 
 def install() -> None:
     global _started
-    if _started or os.environ.get(ENV) != "1" or multiprocessing.parent_process() is None:
-        return  # not a pd-serve engine's child process (the replica itself has no mp parent)
+    if _started or not pd_serve_engine_child():
+        return
     _started = True
     parent = os.getppid()
     threading.Thread(target=_watch, args=(parent,), name="pd-serve-parent-watchdog", daemon=True).start()

@@ -9,7 +9,7 @@ import logging
 from serve_app.config.backends import ASCEND as ASCEND_BACKEND
 from serve_app.config.backends import KV_PORT_STRIDE, RECV_DEADLINE_MARGIN_S, engine_specs, prepare_engine_environment, replica_spec
 from serve_app.config.settings import load_config
-from serve_app.vllm_plugins.watchdog import ENV as WATCHDOG_ENV
+from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV as WATCHDOG_ENV
 
 
 def specs_by_name(args):

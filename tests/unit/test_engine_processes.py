@@ -15,7 +15,7 @@ import pytest
 
 from serve_app.engines.kv_endpoint import KVPortBusy, port_holder, settle_kv_endpoint
 from serve_app.runtime.ports import late_bound_ports
-from serve_app.vllm_plugins.watchdog import ENV
+from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV as ENV
 
 PARENT = textwrap.dedent(
     """
