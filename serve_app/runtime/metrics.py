@@ -9,14 +9,89 @@ tags). Counters are declared without the ``_total`` suffix: Ray's Prometheus exp
 from __future__ import annotations
 
 import functools
+import logging
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger("pd_serve")
 
 # Up to router.timeouts.request_s's default (600 s): a longer request would read as the last bound.
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 ATTEMPT_BUCKETS = [1, 2, 3, 4, 6, 8, 16, 32]
 ROUTER_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
+
+
+# How often a kept gauge is set again: Ray exports a process's metrics at most every second
+# (metrics_report_interval_ms, floored at 1 s; 10 s by default), so every export carries it.
+KEEP_INTERVAL_S = 1.0
+
+
+class KeptGauges:
+    """Sets the last value of every gauge series it was given again, every ``interval_s``, from
+    a daemon thread (a few gauge calls a second).
+
+    Ray (2.60, its OpenTelemetry metrics path) exports a gauge's series only while the process
+    sets it: each process sends the gauge values set since its last export (every
+    ``metrics_report_interval_ms``, 10 s by default), and the metrics agent drops a series it was
+    not sent for two intervals. A gauge set only when its value changes (a pool's size, an idle
+    engine's queue lengths, vLLM's config info) vanished from the Prometheus endpoint, and the
+    dashboard's panels went blank, 20-30 s after its last change: a steady pool or an idle
+    engine looked like none. prometheus_client, vLLM's own server's exporter, keeps a gauge's
+    last value; this gives Ray's gauges the same meaning.
+
+    Only for series whose owner lives as long as the process: a series is never forgotten."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[tuple[int, frozenset[tuple[str, str]]], tuple[Any, float, dict[str, str]]] = {}
+        self._thread: threading.Thread | None = None
+        self._failed = False
+
+    def set(self, gauge: Any, value: float, tags: Mapping[str, str] | None = None) -> None:
+        tags = dict(tags or {})
+        with self._lock:  # held while setting, so a refresh never sets an older value after this one
+            gauge.set(value, tags=tags)
+            self._last[(id(gauge), frozenset(tags.items()))] = (gauge, value, tags)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pd-kept-gauges", daemon=True)
+                self._thread.start()
+
+    def refresh(self) -> None:
+        """Set every kept series again, to its last value."""
+        with self._lock:
+            for gauge, value, tags in self._last.values():
+                try:
+                    gauge.set(value, tags=tags)
+                except Exception:  # Ray is shutting down: the process is ending
+                    if not self._failed:
+                        self._failed = True
+                        logger.debug("could not set a kept gauge again", exc_info=True)
+
+    def _run(self) -> None:
+        stop = threading.Event()  # never set: the thread ends with its process
+        while not stop.wait(self.interval_s):
+            self.refresh()
+
+
+@functools.cache
+def kept_gauges() -> KeptGauges:
+    """The process's one keeper (and its one thread)."""
+    return KeptGauges(KEEP_INTERVAL_S)
+
+
+class KeptGauge:
+    """A Ray gauge whose series keep their last value on the Prometheus endpoint (``KeptGauges``)."""
+
+    def __init__(self, gauge: Any, keeper: KeptGauges | None = None) -> None:
+        self.gauge = gauge
+        self._keeper = keeper
+
+    def set(self, value: float, tags: Mapping[str, str] | None = None) -> None:
+        (self._keeper or kept_gauges()).set(self.gauge, value, tags)
 
 
 @dataclass(frozen=True)
@@ -76,7 +151,7 @@ def router_metrics() -> RouterMetrics:
         attempts=Histogram("pd_attempts_per_request", "attempts per finished request", boundaries=ATTEMPT_BUCKETS),
         wasted_tokens=Counter("pd_recompute_wasted_tokens", "tokens whose KV an ended attempt discarded"),
         fallback=Counter("pd_fallback", "disaggregated attempts served colocated", tag_keys=("reason",)),
-        router_inflight=_inflight_gauge(),
+        router_inflight=KeptGauge(_inflight_gauge()),  # set when it changes, not on a clock
         request_time=Histogram("pd_request_seconds", "whole client request", boundaries=LATENCY_BUCKETS, tag_keys=("route",)),
         engine_wait=Histogram(
             "pd_engine_wait_seconds", "per request: time the router waited on engines", boundaries=LATENCY_BUCKETS, tag_keys=("route",)
@@ -95,7 +170,9 @@ def router_metrics() -> RouterMetrics:
             "drain (Serve was stopping the decode engine), failure (the attempt failed and is retried)",
             tag_keys=("cause", "engine"),
         ),
-        pool_replicas=Gauge("pd_pool_replicas", "engines of a pool that the router can choose (running, not leaving)", tag_keys=("role",)),
+        pool_replicas=KeptGauge(  # set when the pool changes
+            Gauge("pd_pool_replicas", "engines of a pool that the router can choose (running, not leaving)", tag_keys=("role",))
+        ),
         prefix_routed=Counter(
             "pd_prefix_routed_tokens",
             "prompt tokens the router expected the engine it chose to hold in its prefix cache (router.balancer: prefix)",

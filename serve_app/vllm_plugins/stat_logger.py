@@ -18,6 +18,11 @@ KV connector, the connector's) summed over the steps in between; every step's it
 connector (every disaggregated one) carries the connector's prefix-cache stats in every step's
 scheduler stats, mostly zeros: counted as per-step news they would pass every step on, so they
 are summed too.
+
+vLLM sets its gauges on engine steps (and its config info once): on Ray's metrics path a gauge
+not set for 20-30 s leaves the Prometheus endpoint, so an idle engine's running and waiting
+requests and KV usage would go blank on the dashboard. The labelled gauges keep their last value
+(``runtime/metrics.KeptGauges``), as vLLM's own server's gauges do.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import logging
 import time
 from typing import Any
 
+from serve_app.runtime.metrics import kept_gauges
 from serve_app.runtime.private_symbols import unchanged
 
 logger = logging.getLogger("pd_serve.engine")
@@ -165,8 +171,14 @@ def _labelled_metric_classes(ray_wrappers: Any, fixed: dict[str, str]) -> dict[s
             labelskwargs["ReplicaId"] = self._tags.get("ReplicaId", "")
             return {k: v if isinstance(v, str) else str(v) for k, v in labelskwargs.items()}
 
+    class KeptLabelled(Labelled):
+        """A gauge whose series keep their last value while vLLM sets them no more (module docstring)."""
+
+        def set(self, value: float) -> None:
+            kept_gauges().set(self.metric, value, self._tags)
+
     return {
-        "_gauge_cls": type("Gauge", (Labelled, ray_wrappers.RayGaugeWrapper), {}),
+        "_gauge_cls": type("Gauge", (KeptLabelled, ray_wrappers.RayGaugeWrapper), {}),
         "_counter_cls": type("Counter", (Labelled, ray_wrappers.RayCounterWrapper), {}),
         "_histogram_cls": type("Histogram", (Labelled, ray_wrappers.RayHistogramWrapper), {}),
     }

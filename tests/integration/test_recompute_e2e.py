@@ -1,6 +1,9 @@
 """Recompute on real vLLM CPU engines: decode engines with a deliberately tiny KV cache give
 requests back (stop_reason 'recomputed') and the router resumes them token for token; a decode
-replica killed mid-stream is resumed the same way."""
+replica killed mid-stream is resumed the same way. The shipped Grafana dashboard is checked on
+this app too (it needs recompute, which only this app's engines do, and one app less to start
+keeps the suite shorter): after traffic that exercises every panel, every metric its panels
+query is on Ray's Prometheus endpoint."""
 
 from __future__ import annotations
 
@@ -10,13 +13,16 @@ import re
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import requests
 
+from serve_app.config.settings import REPO_ROOT
 from tests.support.cluster import (
     busy_engine,
+    completion_ids,
     deployed,
     inspect,
     kv_pressure_args,
@@ -27,6 +33,7 @@ from tests.support.cluster import (
     wait_healthy,
     wait_idle,
 )
+from tests.support.faults import BREAK_PUSH, FAULTS, PREFILL_UNHEALTHY, faulty_prompt
 
 pytestmark = pytest.mark.engine
 
@@ -36,7 +43,8 @@ ARGS["router"]["tool_call_parser"] = "hermes"  # for tool_choice "auto"
 
 @pytest.fixture(scope="module")
 def app(cluster):
-    with deployed(cluster, "pressure", ARGS) as app:
+    # The fault plug-ins change nothing for a request that does not ask for a fault (the dashboard's test does).
+    with deployed(cluster, "pressure", ARGS, FAULTS) as app:
         yield app
 
 
@@ -308,6 +316,43 @@ def test_an_auto_tool_call_goes_on_where_the_earlier_attempt_left_off(app, basel
     (only,) = got["calls"].values()
     assert only["id"] and only["name"] == "plot"
     assert json.loads(only["arguments"]) == json.loads(want["text"].split("\n")[1])["arguments"]
+    wait_idle(app)
+
+
+DASHBOARD = REPO_ROOT / "configs" / "grafana" / "pd-serve.json"
+
+
+def dashboard_metrics() -> set[str]:
+    """The series names the dashboard's queries read (as Prometheus exposes them)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs, "the dashboard queries nothing"
+    return {name for expr in exprs for name in re.findall(r"\b(ray_[a-z0-9_]+)", expr)}
+
+
+def test_every_metric_the_dashboard_queries_is_exported_after_traffic(app, cluster):
+    # Recompute: 6 x (300 + 700) tokens on 2 decode engines of 2,048 tokens each, one engine holds three at least.
+    long = [token_pattern(300, seed=80 + i) for i in range(6)]
+    with ThreadPoolExecutor(len(long)) as pool:
+        list(pool.map(lambda p: completion_ids(app, p, max_tokens=700), long))
+    completion_ids(app, faulty_prompt(BREAK_PUSH, token_pattern(200, seed=90)))  # a push that breaks
+    shared = token_pattern(400, seed=91)
+    completion_ids(app, shared)
+    completion_ids(app, shared)  # a prefix-cache hit
+    completion_ids(app, faulty_prompt(PREFILL_UNHEALTHY, token_pattern(120, seed=92)))
+    time.sleep(1.5)  # the router's next stats poll sees prefill unhealthy
+    completion_ids(app, token_pattern(120, seed=93))  # served colocated: a fallback
+
+    wanted = dashboard_metrics()
+    deadline = time.monotonic() + 90
+    while True:
+        exported = {line.split("{", 1)[0].split(" ", 1)[0] for line in metric_lines(cluster.metrics_port, prefix="ray_")}
+        missing = wanted - exported
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not missing, f"the dashboard queries metrics that are not exported: {sorted(missing)}"
+    wait_healthy(app)  # prefill is back (the next test needs it)
     wait_idle(app)
 
 
