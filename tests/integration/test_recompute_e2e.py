@@ -322,15 +322,52 @@ def test_an_auto_tool_call_goes_on_where_the_earlier_attempt_left_off(app, basel
 DASHBOARD = REPO_ROOT / "configs" / "grafana" / "pd-serve.json"
 
 
-def dashboard_metrics() -> set[str]:
-    """The series names the dashboard's queries read (as Prometheus exposes them)."""
+def dashboard_queries() -> list[str]:
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert exprs, "the dashboard queries nothing"
-    return {name for expr in exprs for name in re.findall(r"\b(ray_[a-z0-9_]+)", expr)}
+    return exprs
 
 
-def test_every_metric_the_dashboard_queries_is_exported_after_traffic(app, cluster):
+def what_queries_need(exprs: list[str]) -> dict[str, tuple[set[str], set[tuple[str, str]]]]:
+    """Per series name a query reads: the labels it groups by (each metric of a query must have
+    every label of the query's ``by``) and the label values it selects (``{le="1.0"}``)."""
+    need: dict[str, tuple[set[str], set[tuple[str, str]]]] = {}
+    for expr in exprs:
+        grouped = {label.strip() for by in re.findall(r"\bby \(([^)]*)\)", expr) for label in by.split(",")}
+        for name, selector in re.findall(r"\b(ray_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            labels, values = need.setdefault(name, (set(), set()))
+            labels |= {label for label in grouped if label != "le" or name.endswith("_bucket")}
+            values |= set(re.findall(r'(\w+)="([^"]*)"', selector))
+    return need
+
+
+def exported_series(port: int) -> dict[str, list[dict[str, str]]]:
+    series: dict[str, list[dict[str, str]]] = {}
+    for line in metric_lines(port, prefix="ray_"):
+        name, _, rest = line.partition("{")
+        name = name.split(" ", 1)[0]
+        series.setdefault(name, []).append(dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest)))
+    return series
+
+
+def unmet(need: dict[str, tuple[set[str], set[tuple[str, str]]]], series: dict[str, list[dict[str, str]]]) -> list[str]:
+    """What the dashboard's queries read that no exported series has."""
+    problems = []
+    for name, (labels, values) in sorted(need.items()):
+        if name not in series:
+            problems.append(f"{name}: not exported")
+            continue
+        if not any(labels <= set(tags) for tags in series[name]):
+            problems.append(f"{name}: no series with the labels {sorted(labels)}")
+        for label, value in sorted(values):
+            if not any(tags.get(label) == value for tags in series[name]):
+                problems.append(f"{name}: no series with {label}={value!r}")
+    return problems
+
+
+def test_every_series_the_dashboard_queries_is_exported_after_traffic(app, cluster):
+    """Every metric a panel reads, with the labels it groups by and the label values it selects."""
     # Recompute: 6 x (300 + 700) tokens on 2 decode engines of 2,048 tokens each, one engine holds three at least.
     long = [token_pattern(300, seed=80 + i) for i in range(6)]
     with ThreadPoolExecutor(len(long)) as pool:
@@ -343,15 +380,15 @@ def test_every_metric_the_dashboard_queries_is_exported_after_traffic(app, clust
     time.sleep(1.5)  # the router's next stats poll sees prefill unhealthy
     completion_ids(app, token_pattern(120, seed=93))  # served colocated: a fallback
 
-    wanted = dashboard_metrics()
+    need = what_queries_need(dashboard_queries())
+    assert {"ray_pd_pool_replicas", "ray_vllm_num_requests_running"} <= set(need) and need["ray_pd_inflight"][0] == {"role", "engine"}
     deadline = time.monotonic() + 90
     while True:
-        exported = {line.split("{", 1)[0].split(" ", 1)[0] for line in metric_lines(cluster.metrics_port, prefix="ray_")}
-        missing = wanted - exported
-        if not missing or time.monotonic() > deadline:
+        problems = unmet(need, exported_series(cluster.metrics_port))
+        if not problems or time.monotonic() > deadline:
             break
         time.sleep(2)
-    assert not missing, f"the dashboard queries metrics that are not exported: {sorted(missing)}"
+    assert not problems, f"the dashboard reads what is not exported: {problems}"
     wait_healthy(app)  # prefill is back (the next test needs it)
     wait_idle(app)
 
