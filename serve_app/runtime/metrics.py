@@ -49,6 +49,7 @@ class KeptGauges:
         self._lock = threading.Lock()
         self._last: dict[tuple[int, frozenset[tuple[str, str]]], tuple[Any, float, dict[str, str]]] = {}
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
         self._failed = False
 
     def set(self, gauge: Any, value: float, tags: Mapping[str, str] | None = None) -> None:
@@ -61,9 +62,13 @@ class KeptGauges:
                 self._thread.start()
 
     def refresh(self) -> None:
-        """Set every kept series again, to its last value."""
+        """Set every kept series again, to its last value: one series at a time under the lock,
+        so a caller's ``set`` waits for one gauge call at most."""
         with self._lock:
-            for gauge, value, tags in self._last.values():
+            keys = list(self._last)
+        for key in keys:
+            with self._lock:
+                gauge, value, tags = self._last[key]
                 try:
                     gauge.set(value, tags=tags)
                 except Exception:  # Ray is shutting down: the process is ending
@@ -71,9 +76,12 @@ class KeptGauges:
                         self._failed = True
                         logger.debug("could not set a kept gauge again", exc_info=True)
 
+    def stop(self) -> None:
+        """End the thread (a process's keeper never needs to: its thread ends with the process)."""
+        self._stop.set()
+
     def _run(self) -> None:
-        stop = threading.Event()  # never set: the thread ends with its process
-        while not stop.wait(self.interval_s):
+        while not self._stop.wait(self.interval_s):
             self.refresh()
 
 

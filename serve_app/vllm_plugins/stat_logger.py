@@ -22,7 +22,8 @@ are summed too.
 vLLM sets its gauges on engine steps (and its config info once): on Ray's metrics path a gauge
 not set for 20-30 s leaves the Prometheus endpoint, so an idle engine's running and waiting
 requests and KV usage would go blank on the dashboard. The labelled gauges keep their last value
-(``runtime/metrics.KeptGauges``), as vLLM's own server's gauges do.
+(``runtime/metrics.KeptGauges``), as vLLM's own server's gauges do, and start at an idle
+scheduler's values, before the engine's first step.
 """
 
 from __future__ import annotations
@@ -177,6 +178,11 @@ def _labelled_metric_classes(ray_wrappers: Any, fixed: dict[str, str]) -> dict[s
         def set(self, value: float) -> None:
             kept_gauges().set(self.metric, value, self._tags)
 
+        def set_to_current_time(self) -> None:
+            """Not kept: vLLM's LoRA info gauge, labelled with the adapters running and waiting at
+            each step, would keep a series for every set of adapters the engine ever ran."""
+            self.metric.set(time.time(), tags=self._tags)
+
     return {
         "_gauge_cls": type("Gauge", (KeptLabelled, ray_wrappers.RayGaugeWrapper), {}),
         "_counter_cls": type("Counter", (Labelled, ray_wrappers.RayCounterWrapper), {}),
@@ -191,6 +197,7 @@ def _throttled(base: type) -> dict[str, Any]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         self._pd_throttle = SchedulerStatsThrottle()  # once per logger, not per step
         base.__init__(self, *args, **kwargs)
+        _record_idle(base, self)
 
     def record(self: Any, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
         scheduler_stats = self._pd_throttle.filter(scheduler_stats)
@@ -198,3 +205,18 @@ def _throttled(base: type) -> dict[str, Any]:
             base.record(self, scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
 
     return {"__init__": __init__, "record": record}
+
+
+def _record_idle(base: type, stat_logger: Any) -> None:
+    """Record an idle scheduler once, at the engine's start. vLLM's own server exports its
+    gauges at 0 from the start (prometheus_client exports a labelled gauge as soon as it is
+    made); Ray exports a gauge once it is set, so an engine that had not stepped yet (a prefill
+    engine before its first prompt) was missing from the dashboard's running, waiting and KV
+    panels. Counters are not touched: vLLM's Ray wrappers skip an increment of 0."""
+    try:
+        from vllm.v1.metrics.stats import SchedulerStats
+
+        for index in getattr(stat_logger, "engine_indexes", None) or [0]:
+            base.record(stat_logger, SchedulerStats(), None, None, index)  # type: ignore[attr-defined]
+    except Exception:  # a vLLM whose stats differ: the gauges appear with the first step, as before
+        logger.warning("vLLM's gauges are not exported until the engine's first step", exc_info=True)

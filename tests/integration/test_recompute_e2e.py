@@ -334,7 +334,8 @@ def what_queries_need(exprs: list[str]) -> dict[str, tuple[set[str], set[tuple[s
     every label of the query's ``by``) and the label values it selects (``{le="1.0"}``)."""
     need: dict[str, tuple[set[str], set[tuple[str, str]]]] = {}
     for expr in exprs:
-        grouped = {label.strip() for by in re.findall(r"\bby \(([^)]*)\)", expr) for label in by.split(",")}
+        assert not re.search(r"\bwithout\s*\(", expr), expr  # grouping this does not read
+        grouped = {label.strip() for by in re.findall(r"\bby\s*\(([^)]*)\)", expr) for label in by.split(",")}
         for name, selector in re.findall(r"\b(ray_[a-z0-9_]+)(\{[^}]*\})?", expr):
             labels, values = need.setdefault(name, (set(), set()))
             labels |= {label for label in grouped if label != "le" or name.endswith("_bucket")}
@@ -342,12 +343,18 @@ def what_queries_need(exprs: list[str]) -> dict[str, tuple[set[str], set[tuple[s
     return need
 
 
-def exported_series(port: int) -> dict[str, list[dict[str, str]]]:
+def exported_series(port: int, app) -> dict[str, list[dict[str, str]]]:
+    """The series of ``app`` on Ray's endpoint, by name: pd-serve's by their Serve application,
+    vLLM's by the replica of one of its engines (the cluster also serves other modules' apps,
+    whose engines have the same names, and keeps their counters)."""
+    replicas = {engine["replica"] for engine in app.snapshot()["engines"].values()}
     series: dict[str, list[dict[str, str]]] = {}
     for line in metric_lines(port, prefix="ray_"):
         name, _, rest = line.partition("{")
         name = name.split(" ", 1)[0]
-        series.setdefault(name, []).append(dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest)))
+        tags = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
+        if tags.get("application") == app.name or tags.get("ReplicaId") in replicas:
+            series.setdefault(name, []).append(tags)
     return series
 
 
@@ -358,7 +365,7 @@ def unmet(need: dict[str, tuple[set[str], set[tuple[str, str]]]], series: dict[s
         if name not in series:
             problems.append(f"{name}: not exported")
             continue
-        if not any(labels <= set(tags) for tags in series[name]):
+        if not any(all(tags.get(label) for label in labels) for tags in series[name]):  # Ray fills a missing label with ""
             problems.append(f"{name}: no series with the labels {sorted(labels)}")
         for label, value in sorted(values):
             if not any(tags.get(label) == value for tags in series[name]):
@@ -384,11 +391,15 @@ def test_every_series_the_dashboard_queries_is_exported_after_traffic(app, clust
     assert {"ray_pd_pool_replicas", "ray_vllm_num_requests_running"} <= set(need) and need["ray_pd_inflight"][0] == {"role", "engine"}
     deadline = time.monotonic() + 90
     while True:
-        problems = unmet(need, exported_series(cluster.metrics_port))
+        series = exported_series(cluster.metrics_port, app)
+        problems = unmet(need, series)
         if not problems or time.monotonic() > deadline:
             break
         time.sleep(2)
     assert not problems, f"the dashboard reads what is not exported: {problems}"
+    # vLLM's metrics carry pd-serve's engine names, not vLLM's engine index.
+    engines = set(app.snapshot()["engines"])
+    assert {tags["engine"] for tags in series["ray_vllm_num_requests_running"]} == engines
     wait_healthy(app)  # prefill is back (the next test needs it)
     wait_idle(app)
 

@@ -60,15 +60,20 @@ def test_one_thread_sets_them_again_on_its_interval():
     keeper = KeptGauges(interval_s=0.02)
     gauge = FakeGauge()
     before = {t.ident for t in threading.enumerate()}
-    KeptGauge(gauge, keeper).set(7, tags={"role": "router"})
-    KeptGauge(gauge, keeper).set(8, tags={"role": "router"})
-    started = [t for t in threading.enumerate() if t.ident not in before and t.name == "pd-kept-gauges"]
-    assert len(started) == 1 and started[0].daemon
-    deadline = time.monotonic() + 10
-    while len(gauge.calls) < 6 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with gauge.lock:
-        assert len(gauge.calls) >= 6 and gauge.calls[2:6] == [(8, {"role": "router"})] * 4
+    try:
+        KeptGauge(gauge, keeper).set(7, tags={"role": "router"})
+        KeptGauge(gauge, keeper).set(8, tags={"role": "router"})
+        started = [t for t in threading.enumerate() if t.ident not in before and t.name == "pd-kept-gauges"]
+        assert len(started) == 1 and started[0].daemon
+        deadline = time.monotonic() + 10
+        while gauge.calls[-4:] != [(8, {"role": "router"})] * 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with gauge.lock:
+            assert gauge.calls[-4:] == [(8, {"role": "router"})] * 4, gauge.calls
+    finally:
+        keeper.stop()
+    started[0].join(timeout=5)
+    assert not started[0].is_alive()
 
 
 def test_the_routers_gauges_that_change_now_and_then_are_kept():
@@ -94,6 +99,13 @@ def test_vllms_gauges_keep_their_last_value_and_its_counters_are_not_repeated(mo
     keeper.refresh()
     tags = {"model_name": "tiny", "engine": "decode-0", "role": "decode", "ReplicaId": ""}
     assert calls == [("set", 4, tags), ("inc", 10, tags), ("set", 4, tags)]
+    # The LoRA info gauge (a series per set of adapters, its value a time) is not kept.
+    info = cls._gauge_cls("vllm:lora_requests_info", "adapters", labelnames=["running_lora_adapters"]).labels("a,b")
+    monkeypatch.setattr(info.metric, "set", lambda value, tags: calls.append(("info", tags)))
+    calls.clear()
+    info.set_to_current_time()
+    keeper.refresh()
+    assert calls == [("info", {"running_lora_adapters": "a,b", "engine": "decode-0", "role": "decode", "ReplicaId": ""}), ("set", 4, tags)]
 
 
 PROBE = """
@@ -145,3 +157,25 @@ def test_on_ray_a_kept_gauge_stays_on_the_endpoint_after_an_unkept_one_set_with_
     after = [names for at, names in seen if at > both[0]]
     assert after and after[-1] == ["ray_pd_probe_kept"], seen  # the plain one left, the kept one stayed
     assert all("ray_pd_probe_kept" in names for names in after), seen
+
+
+def test_vllms_scheduler_gauges_are_recorded_idle_when_the_logger_starts(monkeypatch):
+    """An engine that has not stepped yet (a prefill engine before its first prompt) is on the
+    dashboard at 0, as on vLLM's own server, not missing."""
+    from vllm.v1.metrics import ray_wrappers
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from serve_app.vllm_plugins import stat_logger
+
+    base = ray_wrappers.RayPrometheusStatLogger
+    recorded: list[tuple[Any, ...]] = []
+
+    def init(self: Any, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+        self.engine_indexes = engine_indexes or [0]
+
+    cls = stat_logger.ray_stat_logger("prefill-0", "prefill")  # checks vLLM's real record() first
+    monkeypatch.setattr(base, "__init__", init)
+    monkeypatch.setattr(base, "record", lambda self, *args: recorded.append(args))
+    cls(None, [0])
+    ((scheduler, iteration, mm, index),) = recorded
+    assert scheduler == SchedulerStats() and iteration is None and mm is None and index == 0
