@@ -27,8 +27,9 @@ from vllm.v1.core.sched.utils import check_sequence_repetition
 from serve_app.router.text import StopMatcher, TextStream
 from serve_app.wire.protocol import MOVED, RECOMPUTED, TokenDelta, TokenLogprob
 
-# Attempts that ended because their decode engine was being stopped (a pool shrinking, a
-# redeploy) do not count against max_attempts, up to this many: a move is not a failure.
+# Attempts that ended because their engine was being stopped (a pool shrinking, a redeploy) do
+# not count against max_attempts, up to this many: a move is not a failure, but a request must
+# not move forever.
 MAX_FREE_MOVES = 8
 # Finish reasons of an engine request that mean "this attempt failed", not "the response ended".
 RETRYABLE_FINISH_REASONS = frozenset({"abort", "error"})
@@ -159,7 +160,7 @@ class RecomputeStateMachine:
         self.error: str | None = None
         self.current: AttemptPlan | None = None
         self.recomputes = 0
-        self.moves = 0  # attempts ended by their decode engine's drain
+        self.moves = 0  # attempts ended by their engine's drain (decode, or the prefill engine called)
         self.wasted_tokens = 0
         self._attempt_tokens = 0
         self._last_engine: str | None = None

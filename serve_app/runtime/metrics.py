@@ -175,7 +175,7 @@ def router_metrics() -> RouterMetrics:
         migrations=Counter(
             "pd_migrations",
             "attempts that ended with the request resuming on another attempt, by cause: kv_full (the decode engine recomputed), "
-            "drain (Serve was stopping the decode engine), failure (the attempt failed and is retried)",
+            "drain (Serve was stopping the engine, decode or prefill), failure (the attempt failed and is retried)",
             tag_keys=("cause", "engine"),
         ),
         pool_replicas=KeptGauge(  # set when the pool changes
