@@ -56,8 +56,8 @@ test: setup lint $(REFERENCE) $(VLLM023)
 	$(VENV)/bin/pytest -n $(FAST_WORKERS) --dist worksteal -m "not engine" --durations=10
 	$(VENV)/bin/pytest -m engine --durations=25
 
-# The fast tests alone (no Ray cluster, no vLLM engine, no fresh Python processes: the others are
-# marked engine or slow), with the router's coverage: under a minute on 2 cores. In FAST_WORKERS
+# The fast tests alone (no Ray cluster, no vLLM engine, no fresh Python process importing vLLM,
+# torch or Ray: the others are marked engine or slow), with the router's coverage: under a minute on 2 cores. In FAST_WORKERS
 # processes (pytest-xdist): most of these tests wait on deadlines and sockets rather than compute.
 test-fast: setup lint $(REFERENCE)
 	$(VENV)/bin/pytest -n $(FAST_WORKERS) --dist worksteal -m "not engine and not slow" --cov=serve_app/router --cov-report=term --cov-fail-under=90

@@ -180,6 +180,7 @@ def test_the_unchanged_request_still_works(app):
     response = post(app, "/v1/completions", {"prompt": "The river", "max_tokens": 5}, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
     assert json.loads(json.dumps(response.json()))["choices"][0]["finish_reason"] == "length"
+    wait_idle(app)
 
 
 def test_a_reasoning_models_thinking_is_split_from_its_answer(app, tiny_tokenizer):

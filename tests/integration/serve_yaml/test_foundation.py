@@ -324,6 +324,7 @@ def test_metrics_exported_after_traffic(app, client, cluster):
         wanted += [(name, f'engine="{engine}"') for name in VLLM_ENGINE_METRICS]
         wanted.append(("ray_vllm_num_requests_running{", f'role="{role}"'))
     wait_for_metrics(cluster.metrics_port, wanted)
+    wait_idle(app)
 
 
 def _replica_processes(app_name: str) -> dict[str, psutil.Process]:
