@@ -24,8 +24,8 @@ ATTEMPT_BUCKETS = [1, 2, 3, 4, 6, 8, 16, 32]
 ROUTER_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
 
 
-# How often a kept gauge is set again: Ray exports a process's metrics at most every second
-# (metrics_report_interval_ms, floored at 1 s; 10 s by default), so every export carries it.
+# How often a kept gauge is set again: as often as Ray can export a process's metrics
+# (metrics_report_interval_ms is floored at 1 s; 10 s by default), so every export carries it.
 KEEP_INTERVAL_S = 1.0
 
 
@@ -34,12 +34,11 @@ class KeptGauges:
     a daemon thread (a few gauge calls a second).
 
     Ray (2.60, its OpenTelemetry metrics path) exports a gauge's series only while the process
-    sets it: each process sends the gauge values set since its last export (every
-    ``metrics_report_interval_ms``, 10 s by default), and the metrics agent drops a series it was
-    not sent for two intervals. A gauge set only when its value changes (a pool's size, an idle
-    engine's queue lengths, vLLM's config info) vanished from the Prometheus endpoint, and the
-    dashboard's panels went blank, 20-30 s after its last change: a steady pool or an idle
-    engine looked like none. prometheus_client, vLLM's own server's exporter, keeps a gauge's
+    sets it: measured, a series set once left the Prometheus endpoint 20-30 s later, with Ray's
+    default export interval (``metrics_report_interval_ms``, 10 s) and with 1 s alike. A gauge
+    set only when its value changes (a pool's size, an idle engine's queue lengths, vLLM's config
+    info) vanished so, and the dashboard's panels went blank: a steady pool or an idle engine
+    looked like none. prometheus_client, vLLM's own server's exporter, keeps a gauge's
     last value; this gives Ray's gauges the same meaning.
 
     Only for series whose owner lives as long as the process: a series is never forgotten."""
