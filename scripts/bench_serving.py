@@ -268,7 +268,7 @@ def vllm_server_command(port: int) -> tuple[list[str], dict[str, str]]:
     decode engine (minus pd-serve's own connector, scheduler and logits processor)."""
     from serve_app.config.backends import CPU, engine_specs
     from serve_app.config.settings import load_config
-    from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV as WATCHDOG_ENV
+    from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV
 
     (spec,) = [s for s in engine_specs(load_config(app_args("colocated"))) if s.role == "decode"]
     kwargs = {k: v for k, v in spec.engine_kwargs.items() if k not in ("kv_transfer_config", "scheduler_cls")}
@@ -279,7 +279,7 @@ def vllm_server_command(port: int) -> tuple[list[str], dict[str, str]]:
     # engine core's placement on its worker's cores, which vLLM's server on a small shared host
     # gets as pd-serve's engines do), not the marker of pd-serve's engine children (the parent
     # watchdog, the quick exit).
-    env = {k: v for k, v in spec.env.items() if k != WATCHDOG_ENV}
+    env = {k: v for k, v in spec.env.items() if k != ENGINE_CHILD_ENV}
     cmd = [str(VENV_BIN / "python"), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")

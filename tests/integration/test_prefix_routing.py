@@ -40,11 +40,16 @@ def engine_counts(app) -> dict[str, tuple[int, int]]:
     return {n: (e["prompt_tokens_total"], e["prefix_hit_tokens_total"]) for n, e in engines.items() if e["role"] == "decode"}
 
 
+def replica_ids(app) -> dict[str, str]:
+    """Each engine's Serve replica id, by the name the router gives it."""
+    return {name: e["replica"] for name, e in app.snapshot(refresh=False)["engines"].items()}
+
+
 def home(app, prefix: list[int], names: list[str], replica: dict[str, str] | None = None) -> str:
     """Where every router replica sends a new prefix: rendezvous on its first block, salted by
     each engine's Serve replica id (``replica``: by name, else asked of the router)."""
     if replica is None:
-        replica = {name: e["replica"] for name, e in app.snapshot(refresh=False)["engines"].items()}
+        replica = replica_ids(app)
     return rendezvous(chain_keys(prefix, BLOCK)[0], names, lambda name: engine_salt(replica[name]))
 
 
@@ -52,7 +57,7 @@ def balanced_prefixes(app, names: list[str]) -> list[list[int]]:
     """Four prefixes the rule places two on each engine (the engines' replica ids, and so the
     placement, are new every run), so the bound never moves one while they take turns (which
     the second test shows it does when one engine gets more than its share)."""
-    replica = {name: e["replica"] for name, e in app.snapshot(refresh=False)["engines"].items()}
+    replica = replica_ids(app)
     chosen: dict[str, list[list[int]]] = {name: [] for name in names}
     for seed in range(700, 800):
         prefix = token_pattern(2 * BLOCK, seed=seed)

@@ -9,7 +9,7 @@ import logging
 from serve_app.config.backends import ASCEND as ASCEND_BACKEND
 from serve_app.config.backends import KV_PORT_STRIDE, RECV_DEADLINE_MARGIN_S, engine_specs, prepare_engine_environment, replica_spec
 from serve_app.config.settings import load_config
-from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV as WATCHDOG_ENV
+from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV
 
 
 def specs_by_name(args):
@@ -110,7 +110,7 @@ def test_ascend_engines_carry_vllm_ascends_environment_and_the_groups_own():
     for spec in specs.values():
         assert spec.env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
         assert spec.env["TASK_QUEUE_ENABLE"] == "1" and spec.env["OMP_PROC_BIND"] == "false"
-        assert spec.env[WATCHDOG_ENV] == "1"
+        assert spec.env[ENGINE_CHILD_ENV] == "1"
     assert specs["decode-0"].env["HCCL_BUFFSIZE"] == "600" and specs["decode-0"].env["OMP_NUM_THREADS"] == "4"
     assert "HCCL_BUFFSIZE" not in specs["prefill-0"].env and specs["prefill-0"].env["OMP_NUM_THREADS"] == "10"
 
@@ -203,7 +203,7 @@ def test_decode_receive_deadline_follows_the_router_timeouts():
 def test_every_engine_process_gets_the_parent_watchdog():
     for backend in ("cpu", "ascend"):
         for spec in specs_by_name({"backend": backend}).values():
-            assert spec.env[WATCHDOG_ENV] == "1"
+            assert spec.env[ENGINE_CHILD_ENV] == "1"
 
 
 def test_cpu_decode_engines_use_the_recompute_scheduler():

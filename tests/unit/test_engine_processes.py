@@ -15,7 +15,7 @@ import pytest
 
 from serve_app.engines.kv_endpoint import KVPortBusy, port_holder, settle_kv_endpoint
 from serve_app.runtime.ports import late_bound_ports
-from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV as ENV
+from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV
 
 PARENT = textwrap.dedent(
     """
@@ -50,7 +50,7 @@ def alive(pid: int) -> bool:
 def test_an_engine_child_process_dies_with_its_parent(tmp_path, enabled):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    env = {**os.environ, ENV: "1" if enabled else "0", "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, ENGINE_CHILD_ENV: "1" if enabled else "0", "PYTHONPATH": os.getcwd()}
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         child = int(parent.stdout.readline())
@@ -73,7 +73,7 @@ def test_the_watchdog_stays_out_of_processes_that_are_not_engine_children(monkey
     import serve_app.vllm_plugins.watchdog as watchdog
 
     monkeypatch.setattr(watchdog, "_started", False)
-    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setenv(ENGINE_CHILD_ENV, "1")
     watchdog.install()  # this pytest process has no multiprocessing parent
     assert watchdog._started is False
 
@@ -106,7 +106,7 @@ def test_an_engine_child_process_exits_with_its_heap_frozen(tmp_path, enabled):
     pd-serve engine's children: elsewhere nothing changes."""
     script = tmp_path / "exiting.py"
     script.write_text(EXITING_CHILD)
-    env = {**os.environ, ENV: "1" if enabled else "0", "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, ENGINE_CHILD_ENV: "1" if enabled else "0", "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
     frozen = int(out.stdout.split("frozen at exit:")[1].split()[0])
     assert (frozen > 10_000) is enabled, out.stdout + out.stderr
@@ -118,7 +118,7 @@ def test_the_quick_exit_stays_out_of_processes_that_are_not_engine_children(monk
     import serve_app.vllm_plugins.quick_exit as quick_exit
 
     monkeypatch.setattr(quick_exit, "_installed", False)
-    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setenv(ENGINE_CHILD_ENV, "1")
     with mock.patch.object(atexit, "register") as register:
         quick_exit.install()  # this pytest process has no multiprocessing parent
     assert not register.called and quick_exit._installed is False
