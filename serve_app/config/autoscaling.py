@@ -21,9 +21,14 @@ pd-serve, no Ray import at module level.
   prefill pool scales on time to first token (``ttft_p90_s``: the p90 of the time a prompt waits
   and is computed on a prefill engine), the decode pool on inter-token latency (``itl_p90_s``: the
   p90 of the time per token between a decode engine's successive outputs). Each replica measures its own
-  p90 over the last ``LATENCY_WINDOW_S`` (0 when it served nothing); the policy scales the pool by
-  worst observed / target (above the target: more replicas at once; below ``scale_down_below``
-  of it, or idle: fewer, at most half at a time), and holds the count while no replica reports.
+  p90 over the last ``LATENCY_WINDOW_S`` (0 when it served nothing); the policy reads each
+  replica's latest p90 and scales the pool by worst observed / target (above the target: more
+  replicas at once; below ``scale_down_below`` of it, or idle: fewer, at least one and at most
+  half at a time), and holds the count while no replica reports.
+
+The load policies sum what the replicas reported (Serve's average over its look-back); a running
+replica that has not reported yet (it just started) adds nothing, and while one has not, a policy
+never asks for fewer replicas than Serve's current target (a missing report is not an idle replica).
 """
 
 from __future__ import annotations
@@ -66,18 +71,36 @@ def per_replica(ctx: Any, name: str) -> list[float]:
     return [float(v) for v in (metrics.get(name) or {}).values() if v is not None and math.isfinite(float(v))]
 
 
-def pool_total(ctx: Any, values: list[float]) -> float:
-    """A pool's total of a per-replica load: the reported values' sum, scaled up to every running
-    replica when some have not reported yet (just started, or a late report), so that a missing
-    report never reads as an idle replica."""
-    if not values:
-        return 0.0
-    return sum(values) * max(len(values), int(ctx.current_num_replicas or 0)) / len(values)
+def latest_per_replica(ctx: Any, name: str) -> list[float]:
+    """The metric ``name``'s latest sample of every running replica that reported it. For a p90
+    the replica already takes over its own window: Serve's average over its look-back would mix
+    in the zeros of an idle spell, and read a burst that follows one as a fraction of itself."""
+    series: Mapping[Any, Any] = (getattr(ctx, "raw_metrics", None) or {}).get(name) or {}
+    if not series:
+        return per_replica(ctx, name)
+    latest = (max(samples, key=lambda sample: sample.timestamp).value for samples in series.values() if samples)
+    return [float(v) for v in latest if v is not None and math.isfinite(float(v))]
 
 
 def load_replicas(total: float, target_per_replica: float) -> float:
     """Replicas for ``total`` load at ``target_per_replica`` each."""
     return total / target_per_replica
+
+
+def unless_unreported(ctx: Any, desired: float, reported: int) -> float:
+    """``desired``, but not below Serve's current target while a running replica has not
+    reported (its load, counted as 0, is unknown, not idle)."""
+    if reported < int(ctx.current_num_replicas or 0):
+        return max(desired, float(ctx.target_num_replicas or 0))
+    return desired
+
+
+def positive_finite(**targets: float) -> None:
+    """A policy's targets must be numbers above 0: a NaN (JSON allows one) would have every
+    decision fail in Serve's controller, an infinity would keep the pool at its minimum."""
+    for name, value in targets.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number above 0, not {value!r}")
 
 
 def _hold(ctx: Any) -> tuple[float, dict[str, Any]]:
@@ -88,7 +111,8 @@ class DecodeLoadPolicy:
     reads = frozenset({KV_USAGE, RUNNING, WAITING})
 
     def __init__(self, target_requests: float = 64.0, target_kv_usage: float = 0.7) -> None:
-        if target_requests <= 0 or not 0 < target_kv_usage <= 1:
+        positive_finite(target_requests=target_requests, target_kv_usage=target_kv_usage)
+        if not target_kv_usage <= 1:
             raise ValueError("DecodeLoadPolicy: target_requests > 0 and 0 < target_kv_usage <= 1")
         self.target_requests = target_requests
         self.target_kv_usage = target_kv_usage
@@ -101,38 +125,38 @@ class DecodeLoadPolicy:
         kv = per_replica(ctx, KV_USAGE)
         if not kv:  # no replica has reported yet (starting): keep the count
             return _hold(ctx)
-        requests = pool_total(ctx, per_replica(ctx, RUNNING)) + pool_total(ctx, per_replica(ctx, WAITING))
-        return self.desired(requests, pool_total(ctx, kv)), dict(ctx.policy_state or {})
+        requests = sum(per_replica(ctx, RUNNING)) + sum(per_replica(ctx, WAITING))
+        return unless_unreported(ctx, self.desired(requests, sum(kv)), len(kv)), dict(ctx.policy_state or {})
 
 
 class PrefillLoadPolicy:
     reads = frozenset({PROMPT_TOKENS})
 
     def __init__(self, target_prompt_tokens: float = 8192.0) -> None:
-        if target_prompt_tokens <= 0:
-            raise ValueError("PrefillLoadPolicy: target_prompt_tokens > 0")
+        positive_finite(target_prompt_tokens=target_prompt_tokens)
         self.target_prompt_tokens = target_prompt_tokens
 
     def __call__(self, ctx: Any) -> tuple[float, dict[str, Any]]:
         tokens = per_replica(ctx, PROMPT_TOKENS)
         if not tokens:
             return _hold(ctx)
-        return load_replicas(pool_total(ctx, tokens), self.target_prompt_tokens), dict(ctx.policy_state or {})
+        desired = load_replicas(sum(tokens), self.target_prompt_tokens)
+        return unless_unreported(ctx, desired, len(tokens)), dict(ctx.policy_state or {})
 
 
 class RouterLoadPolicy:
     reads = frozenset({CLIENT_REQUESTS})
 
     def __init__(self, target_requests: float = 256.0) -> None:
-        if target_requests <= 0:
-            raise ValueError("RouterLoadPolicy: target_requests > 0")
+        positive_finite(target_requests=target_requests)
         self.target_requests = target_requests
 
     def __call__(self, ctx: Any) -> tuple[float, dict[str, Any]]:
         requests = per_replica(ctx, CLIENT_REQUESTS)
         if not requests:
             return _hold(ctx)
-        return load_replicas(pool_total(ctx, requests), self.target_requests), dict(ctx.policy_state or {})
+        desired = load_replicas(sum(requests), self.target_requests)
+        return unless_unreported(ctx, desired, len(requests)), dict(ctx.policy_state or {})
 
 
 class SLOPolicy:
@@ -144,7 +168,8 @@ class SLOPolicy:
             raise ValueError("SLOPolicy: set exactly one of ttft_p90_s (prefill pool) and itl_p90_s (decode pool)")
         target = ttft_p90_s if ttft_p90_s is not None else itl_p90_s
         assert target is not None
-        if target <= 0 or not 0 < scale_down_below < 1:
+        positive_finite(**{"ttft_p90_s" if ttft_p90_s is not None else "itl_p90_s": target, "scale_down_below": scale_down_below})
+        if not scale_down_below < 1:
             raise ValueError("SLOPolicy: targets > 0 and 0 < scale_down_below < 1")
         self.metric = TTFT_P90 if ttft_p90_s is not None else ITL_P90
         self.reads = frozenset({self.metric})
@@ -154,21 +179,22 @@ class SLOPolicy:
     def desired(self, current: int, observed: Iterable[float]) -> float:
         """``current`` scaled by the worst replica's p90 over the target: up at once when the
         target is missed, down only when every replica is well under it (latency does not fall in
-        proportion to replicas removed, so a pool just under its target stays as it is)."""
+        proportion to replicas removed, so a pool just under its target stays as it is), by at
+        least one replica (Serve rounds a count up: 2 x 0.8 would stay 2) and at most half."""
         measured = [v for v in observed if v > 0]
         if current == 0:
             return 0.0
         if not measured:  # nothing served in the window: idle, shrink towards min_replicas
-            return current * 0.5
+            return min(current * 0.5, current - 1.0)
         ratio = max(measured) / self.target
         if ratio > 1.0:
             return current * ratio
         if ratio < self.scale_down_below:
-            return current * max(ratio / self.scale_down_below, 0.5)  # at most halve per decision
+            return min(current * max(ratio / self.scale_down_below, 0.5), current - 1.0)
         return float(current)
 
     def __call__(self, ctx: Any) -> tuple[float, dict[str, Any]]:
-        observed = per_replica(ctx, self.metric)
+        observed = latest_per_replica(ctx, self.metric)
         if not observed:
             return _hold(ctx)
         current = int(ctx.current_num_replicas)

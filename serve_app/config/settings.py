@@ -94,7 +94,8 @@ class ScalingConfig(_Strict):
 def serve_autoscaling_config(config: dict[str, Any], default_policy: str | None) -> dict[str, Any]:
     """``config`` checked by Ray Serve's own ``AutoscalingConfig`` (whose unknown keys it would
     drop silently: refused here, by name), with ``default_policy`` (``module:Class``) where it
-    names none."""
+    names none (also where it gives only ``policy_kwargs``: Serve would run its own request-count
+    policy without them, which sees none of the load the engines' HTTP calls carry)."""
     from pydantic import ValidationError as PydanticError
     from ray.serve.config import AutoscalingConfig
 
@@ -102,8 +103,9 @@ def serve_autoscaling_config(config: dict[str, Any], default_policy: str | None)
     if unknown:
         raise ValueError(f"autoscaling_config: unknown field(s) {unknown}; Ray Serve's are {sorted(AutoscalingConfig.model_fields)}")
     merged = dict(config)
-    if default_policy is not None and "policy" not in merged:
-        merged["policy"] = {"policy_function": default_policy}
+    policy = merged.get("policy")
+    if default_policy is not None and (policy is None or (isinstance(policy, dict) and not policy.get("policy_function"))):
+        merged["policy"] = {**(policy or {}), "policy_function": default_policy}
     try:
         AutoscalingConfig(**merged)
     except (ImportError, AttributeError) as exc:  # Serve imports the policy to check it
@@ -648,8 +650,11 @@ def _check_own_policy(role: str, autoscaling_config: dict[str, Any] | None) -> N
     sight, and a latency policy reading a metric its pool does not report never scales."""
     from serve_app.config import autoscaling
 
-    policy = (autoscaling_config or {}).get("policy") or {}
-    name = policy.get("policy_function") if isinstance(policy, dict) else None
+    if autoscaling_config is None:
+        return
+    policy = autoscaling_config.get("policy") or {}
+    # No policy named: the role's default (serve_autoscaling_config), with the kwargs given.
+    name = (policy.get("policy_function") or autoscaling.DEFAULT_POLICY[role]) if isinstance(policy, dict) else None
     # Serve takes "module:Class" and "module.Class" alike.
     spelled = str(name or "")
     module, _, cls_name = spelled.partition(":") if ":" in spelled else spelled.rpartition(".")

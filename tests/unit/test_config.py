@@ -80,7 +80,12 @@ DOTTED = "serve_app.config.autoscaling."
         ("decode", {"policy_function": POLICY + "DecodeLoadPolicy", "policy_kwargs": {"target_request": 8}}, "target_request"),
         ("decode", {"policy_function": POLICY + "SLOPolicy", "policy_kwargs": {"ttft_p90_s": 0.5}}, "decode replicas do not report"),
         ("router", {"policy_function": POLICY + "DecodeLoadPolicy"}, "router replicas do not report"),
-        ("prefill", {"policy_function": POLICY + "PrefillLoadPolicy", "policy_kwargs": {"target_prompt_tokens": 0}}, "> 0"),
+        ("prefill", {"policy_function": POLICY + "PrefillLoadPolicy", "policy_kwargs": {"target_prompt_tokens": 0}}, "above 0"),
+        # JSON allows NaN: every decision would then fail in Serve's controller.
+        ("decode", {"policy_function": POLICY + "DecodeLoadPolicy", "policy_kwargs": {"target_requests": float("nan")}}, "finite"),
+        ("decode", {"policy_function": POLICY + "SLOPolicy", "policy_kwargs": {"itl_p90_s": float("inf")}}, "finite"),
+        # Kwargs without a policy are the role's default policy's (Serve would drop them).
+        ("decode", {"policy_kwargs": {"target_request": 8}}, "target_request"),
         ("decode", {"policy_function": POLICY + "NoSuchPolicy"}, "cannot import the policy"),
         # Only prefill replicas hold prompts: on decode this policy would read 0 forever.
         ("decode", {"policy_function": POLICY + "PrefillLoadPolicy"}, "decode replicas do not report"),

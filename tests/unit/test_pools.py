@@ -40,9 +40,17 @@ def test_decode_scales_on_requests_or_kv_whichever_needs_more():
     idle = {autoscaling.RUNNING: [0, 0], autoscaling.WAITING: [0, 0], autoscaling.KV_USAGE: [0.0, 0.0]}
     assert policy(ctx(idle))[0] == 0.0  # Serve's min_replicas and downscale delay bound it
     assert policy(ctx({}, target=3))[0] == 3.0  # nothing reported yet (replicas starting): hold
-    # One of 3 running replicas has not reported: its share counts as the others' average, not 0.
+    # One of 3 running replicas has not reported (it just started): it adds nothing, and the
+    # pool is not shrunk below Serve's target until it has.
     partial = {autoscaling.RUNNING: [10, 10], autoscaling.WAITING: [0, 0], autoscaling.KV_USAGE: [0.1, 0.1]}
-    assert policy(ctx(partial, current=3))[0] == pytest.approx(3.0)
+    assert policy(ctx(partial, current=3, target=3))[0] == pytest.approx(3.0)
+    assert policy(ctx(partial, current=2, target=2))[0] == pytest.approx(2.0)  # all reported: 20 / 10
+    # Right after a scale-up from 2 to 4 the two new replicas have not reported: the old ones'
+    # load is not copied onto them (which asked for 7 here, then 13 after the next step).
+    policy = autoscaling.DecodeLoadPolicy(target_requests=64)
+    scaled = {autoscaling.RUNNING: [100, 100], autoscaling.WAITING: [0, 0], autoscaling.KV_USAGE: [0.1, 0.1]}
+    assert policy(ctx(scaled, current=2, target=2))[0] == pytest.approx(200 / 64)
+    assert policy(ctx(scaled, current=4, target=4))[0] == pytest.approx(4.0)
 
 
 def test_prefill_scales_on_prompt_tokens_and_router_on_client_requests():
@@ -59,6 +67,9 @@ def test_the_slo_policy_scales_up_at_once_and_down_only_well_under_the_target():
     assert decode(ctx({autoscaling.ITL_P90: [0.04, 0.03]}, current=2))[0] == 2.0  # just under: hold
     assert decode(ctx({autoscaling.ITL_P90: [0.01, 0.005]}, current=4))[0] == pytest.approx(2.0)  # well under: at most halve
     assert decode(ctx({autoscaling.ITL_P90: [0.0, 0.0]}, current=4))[0] == pytest.approx(2.0)  # idle
+    # Under scale_down_below but not by much: at least one replica fewer (Serve rounds 2 x 0.8 up to 2).
+    assert decode(ctx({autoscaling.ITL_P90: [0.02, 0.02]}, current=2))[0] == pytest.approx(1.0)
+    assert decode(ctx({autoscaling.ITL_P90: [0.0, 0.0]}, current=3))[0] == pytest.approx(1.5)
     prefill = autoscaling.SLOPolicy(ttft_p90_s=0.5)
     assert prefill.metric == autoscaling.TTFT_P90
     assert prefill(ctx({autoscaling.TTFT_P90: [1.5]}, current=1, target=1))[0] == pytest.approx(3.0)
@@ -66,6 +77,18 @@ def test_the_slo_policy_scales_up_at_once_and_down_only_well_under_the_target():
         autoscaling.SLOPolicy(ttft_p90_s=0.5, itl_p90_s=0.05)
     with pytest.raises(ValueError):
         autoscaling.SLOPolicy()
+
+
+def test_the_slo_policy_reads_each_replicas_latest_p90_not_serves_average_over_its_look_back():
+    """A replica idle until 6 s ago (p90 0) and now at 0.2 s: Serve's time-weighted average over
+    a 30 s look-back reads 0.04, under a 0.05 target; the replica's own p90 is 4x it."""
+    samples = [SimpleNamespace(timestamp=t, value=v) for t, v in ((0.0, 0.0), (12.0, 0.0), (24.0, 0.2), (30.0, 0.2))]
+    context = ctx({autoscaling.ITL_P90: [0.04, 0.0]})
+    context.raw_metrics = {autoscaling.ITL_P90: {"r0": list(reversed(samples)), "r1": [SimpleNamespace(timestamp=30.0, value=0.0)]}}
+    assert autoscaling.latest_per_replica(context, autoscaling.ITL_P90) == [0.2, 0.0]
+    assert autoscaling.SLOPolicy(itl_p90_s=0.05)(context)[0] == pytest.approx(8.0)
+    context.raw_metrics = {}  # a Serve without raw series: its averages
+    assert autoscaling.SLOPolicy(itl_p90_s=0.05)(context)[0] == pytest.approx(2.0)
 
 
 def test_the_slo_policy_does_not_compound_a_ratio_measured_before_its_last_scale_up():
