@@ -1,14 +1,20 @@
 """Which engine is expected to hold which prompt blocks, and the choice it leads to (pure).
 
 A prompt is cut into blocks of ``block_tokens`` token ids (the engines' KV block size: vLLM caches
-whole blocks only). Block i's *key* is the hash of (key of block i-1, its token ids), so a key
-names the whole prefix up to and including its block, as vLLM's own block hashes do. Keys are
-Python hashes of tuples of ints, which are the same in every process (no hash seed applies to
-them), so every router replica computes the same keys and the same choices.
+whole blocks only). A *key* names the whole prefix up to and including some block: the hash of
+(the key before it, the token ids since), as vLLM's own block hashes chain. Keys are taken at
+fixed block counts (``BOUNDARIES``): at every block of a prompt's first 64, then 32 per doubling
+of its length, so that a prefix of any length (a long system prompt or tool list shared by many
+conversations, each conversation's earlier turns) is told apart from another at about 3% of its
+length, for a few hundred keys at most per prompt. Keys are Python hashes of tuples of ints,
+which are the same in every process (no hash seed applies to them), so every router replica
+computes the same keys and the same choices.
 
 The index records the keys of each prompt it routes to an engine (the engine then holds them in
-its prefix cache), and forgets them the way the engine would: least recently used first, beyond
-the engine's KV capacity; all at once when the engine restarts or leaves. It is the router's own
+its prefix cache), and forgets them the way the engine would: least recently used first, and of
+one prompt its last blocks first (vLLM frees a request's blocks tail first, so the start of a
+prefix stays longest), beyond the engine's KV capacity; all at once when the engine restarts or
+leaves. It is the router's own
 record, kept honest by the engines' stats (their capacity, and an epoch that changes when an
 engine starts afresh), not a copy of vLLM's KV cache events: those would cross the network
 unauthenticated (vLLM publishes them on a plain ZMQ socket) and carry every prompt's tokens, and
@@ -23,28 +29,59 @@ a new prefix on the same engine, and one engine joining or leaving moves only it
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-# A prefix longer than this many blocks is matched on its first blocks only: the choice is made
-# by then, and the cost of a request's keys stays bounded (64 blocks of 128 tokens: 8192 tokens).
-MAX_BLOCKS = 64
+DENSE_BLOCKS = 64  # a key at each of a prompt's first blocks
+KEYS_PER_OCTAVE = 32  # then this many per doubling of its length
+# A prefix longer than this many blocks is matched on its first blocks only (16M tokens in blocks
+# of 128): past any context length, while a request's keys stay a few hundred.
+MAX_BLOCKS = 1 << 17
+# An engine whose capacity is not known yet (before its first stats) is taken to hold at most
+# this many blocks, so that its record cannot grow without bound meanwhile.
+UNREPORTED_CAPACITY_BLOCKS = 1 << 16
+
+
+def _boundaries() -> tuple[int, ...]:
+    out = list(range(1, DENSE_BLOCKS + 1))
+    low = DENSE_BLOCKS
+    while low < MAX_BLOCKS:
+        step = low // KEYS_PER_OCTAVE
+        out.extend(range(low + step, 2 * low + 1, step))
+        low *= 2
+    return tuple(out)
+
+
+# Key i names a prompt's first BOUNDARIES[i] blocks and stands, in an engine's capacity, for the
+# WEIGHTS[i] blocks since the key before it.
+BOUNDARIES = _boundaries()
+WEIGHTS = tuple(b - a for a, b in zip((0, *BOUNDARIES), BOUNDARIES))
 
 
 def chain_keys(token_ids: Sequence[int], block_tokens: int, max_blocks: int = MAX_BLOCKS, cache_salt: str | None = None) -> list[int]:
-    """The keys of the prompt's whole blocks, first to last (at most ``max_blocks``). A request's
-    ``cache_salt`` starts the chain, as it does vLLM's block hashes: an engine holds a salted
-    prefix only for requests with the same salt."""
+    """The keys of the prompt's whole blocks at ``BOUNDARIES``, first to last (up to
+    ``max_blocks``). A request's ``cache_salt`` starts the chain, as it does vLLM's block hashes:
+    an engine holds a salted prefix only for requests with the same salt. Every token of the
+    covered blocks is hashed once (about 2 ms for 128K tokens)."""
     keys: list[int] = []
     key = 0 if cache_salt is None else salt_key(cache_salt)
     n = min(len(token_ids) // block_tokens, max_blocks)
-    for i in range(n):
-        key = hash((key, *token_ids[i * block_tokens : (i + 1) * block_tokens]))
+    start = 0
+    for blocks in BOUNDARIES[: bisect.bisect_right(BOUNDARIES, n)]:
+        end = blocks * block_tokens
+        key = hash((key, *token_ids[start:end]))
         keys.append(key)
+        start = end
     return keys
+
+
+def blocks_of(matched: int) -> int:
+    """The blocks a prompt's first ``matched`` keys cover."""
+    return BOUNDARIES[matched - 1] if matched else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -70,15 +107,17 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self.holders: dict[int, int] = {}  # key -> mask of engine bits
-        self._lru: dict[str, OrderedDict[int, None]] = {}
-        self._capacity: dict[str, int] = {}  # blocks; absent: not yet reported (unbounded)
+        self._lru: dict[str, OrderedDict[int, int]] = {}  # key -> the blocks it stands for
+        self._blocks: dict[str, int] = {}  # the sum of an engine's keys' blocks
+        self._capacity: dict[str, int] = {}  # blocks; absent: not yet reported
         self._epoch: dict[str, str] = {}
         self._bit: dict[str, int] = {}  # engine -> its bit
         self._engine: dict[int, str] = {}  # bit -> engine
         self._free_bits: list[int] = []
 
     def held(self, engine: str) -> int:
-        return len(self._lru.get(engine, ()))
+        """The blocks ``engine`` is expected to hold."""
+        return self._blocks.get(engine, 0)
 
     def mask(self, engines: Iterable[str]) -> int:
         bits = self._bit
@@ -97,8 +136,9 @@ class PrefixIndex:
             mask ^= low
         return out
 
-    def record(self, engine: str, keys: Iterable[int]) -> None:
-        """``engine`` now holds these blocks (it was sent their prompt): most recently used."""
+    def record(self, engine: str, keys: Sequence[int]) -> None:
+        """``engine`` now holds these blocks (it was sent their prompt, ``chain_keys``): most
+        recently used, its first block most of all (vLLM evicts a prompt's last blocks first)."""
         lru = self._lru.get(engine)
         if lru is None:
             lru = self._lru[engine] = OrderedDict()
@@ -106,16 +146,21 @@ class PrefixIndex:
             self._bit[engine], self._engine[bit] = bit, engine
         bit = self._bit[engine]
         holders = self.holders
-        for key in keys:
+        added = 0
+        for i in range(len(keys) - 1, -1, -1):
+            key = keys[i]
             if key in lru:
                 lru.move_to_end(key)
             else:
-                lru[key] = None
+                lru[key] = WEIGHTS[i]
+                added += WEIGHTS[i]
                 holders[key] = holders.get(key, 0) | bit
+        self._blocks[engine] = self._blocks.get(engine, 0) + added
         self._evict(engine)
 
     def set_capacity(self, engine: str, blocks: int) -> None:
-        """What the engine reports it can hold: older blocks past it are gone from its cache."""
+        """What the engine reports it can hold: older blocks past it are gone from its cache.
+        Not reported yet (0): ``UNREPORTED_CAPACITY_BLOCKS``."""
         if blocks > 0:
             self._capacity[engine] = blocks
             self._evict(engine)
@@ -137,16 +182,20 @@ class PrefixIndex:
             self._free_bits.append(bit)
         self._capacity.pop(engine, None)
         self._epoch.pop(engine, None)
+        self._blocks.pop(engine, None)
 
     def _evict(self, engine: str) -> None:
-        capacity = self._capacity.get(engine)
+        capacity = self._capacity.get(engine, UNREPORTED_CAPACITY_BLOCKS)
         lru = self._lru.get(engine)
-        if capacity is None or lru is None:
+        if lru is None:
             return
         bit = self._bit[engine]
-        while len(lru) > capacity:
-            key, _ = lru.popitem(last=False)
+        blocks = self._blocks[engine]
+        while blocks > capacity:
+            key, weight = lru.popitem(last=False)
+            blocks -= weight
             self._drop(key, bit)
+        self._blocks[engine] = blocks
 
     def _drop(self, key: int, bit: int) -> None:
         mask = self.holders.get(key, 0) & ~bit
@@ -156,8 +205,8 @@ class PrefixIndex:
             self.holders.pop(key, None)
 
     def deepest(self, keys: Sequence[int], candidates: int) -> tuple[int, int]:
-        """(the longest prefix of the prompt a candidate holds, in blocks; the mask of the
-        candidates holding it, 0 when none holds its first block)."""
+        """(the longest prefix of the prompt a candidate holds, in keys (``blocks_of`` gives its
+        blocks); the mask of the candidates holding it, 0 when none holds its first block)."""
         alive = candidates
         longest = 0
         holders = self.holders
@@ -251,16 +300,17 @@ def choose(
     request_work: float = 0.0,
     salt: Callable[[str], int] = engine_salt,
 ) -> tuple[str, int]:
-    """(the engine for a prompt with these block keys, the blocks it is expected to hold).
-    ``salt``: each engine's rendezvous salt, by name unless the caller knows a better identity."""
+    """(the engine for a prompt with these keys (``chain_keys``), the blocks it is expected to
+    hold). ``salt``: each engine's rendezvous salt, by name unless the caller knows a better
+    identity."""
     eligible = within_bound(candidates, max_imbalance, request_load, request_work)
     best, holding = index.deepest(keys, index.mask(c[0] for c in eligible))
     tied = index.names(holding) if holding else {c[0] for c in eligible}
     if len(tied) == 1:
-        return next(iter(tied)), best
+        return next(iter(tied)), blocks_of(best)
     if best < len(keys):
-        return rendezvous(keys[best], tied, salt), best
+        return rendezvous(keys[best], tied, salt), blocks_of(best)
     if keys:  # the whole prompt is held by several: the least loaded of them
         loads = {c[0]: c[1] for c in eligible}
-        return min(tied, key=lambda name: (loads[name], -weight(keys[-1], salt(name)))), best
+        return min(tied, key=lambda name: (loads[name], -weight(keys[-1], salt(name)))), blocks_of(best)
     return min(eligible, key=lambda c: c[1])[0], 0

@@ -89,8 +89,49 @@ def test_an_engine_forgets_least_recently_used_blocks_beyond_its_capacity():
     index.set_capacity("d0", 8)
     assert index.held("d0") == 8
     assert deepest(index, first, "d0") == (6, {"d0"})
-    assert deepest(index, second, "d0") == (0, set())  # its first blocks went first
-    assert not any(k in index.holders for k in second[:4])
+    # vLLM frees a prompt's blocks last first, so the start of the older prefix is still cached.
+    assert deepest(index, second, "d0") == (2, {"d0"})
+    assert not any(k in index.holders for k in second[2:])
+
+
+def test_keys_thin_out_past_the_first_64_blocks_and_weigh_the_blocks_they_stand_for():
+    from serve_app.router.prefix_index import BOUNDARIES, blocks_of
+
+    keys = chain_keys(prompt(3, 200 * B), B)
+    # Every block of the first 64, then 32 per doubling: 66, 68 .. 128, then 132, 136 .. 200.
+    assert len(keys) == 64 + 32 + 18 and BOUNDARIES[len(keys) - 1] == 200 and blocks_of(len(keys)) == 200
+    assert keys[:64] == chain_keys(prompt(3, 64 * B), B)  # a longer prompt has the shorter one's keys
+    index = PrefixIndex()
+    index.record("d0", keys)
+    assert index.held("d0") == 200 and len(index.holders) == len(keys)  # blocks, not keys
+    index.set_capacity("d0", 190)  # the last key stands for 4 blocks, the two before it for 4 each
+    assert index.held("d0") == 188 and deepest(index, keys, "d0") == (len(keys) - 3, {"d0"})
+
+
+def test_conversations_that_share_a_long_head_are_told_apart_by_their_own_turns():
+    """An agent's system prompt and tools (here 100 blocks) shared by every conversation: each
+    conversation's next turn goes to the engine that holds its earlier turns, not to whichever
+    holds the head."""
+    head = prompt(4, 100 * B)
+    turn1 = {c: head + prompt(10 + c, 20 * B) for c in range(2)}
+    index = PrefixIndex()
+    index.record("d0", chain_keys(turn1[0], B))
+    index.record("d1", chain_keys(turn1[1], B))
+    for c, engine in ((0, "d0"), (1, "d1")):
+        turn2 = chain_keys(turn1[c] + prompt(20 + c, 30 * B), B)
+        name, blocks = choose(index, turn2, [("d0", 5, 0.0), ("d1", 0, 0.0)], max_imbalance=1.3, request_load=5)
+        assert (name, blocks) == (engine, 120)  # its earlier turn, matched to the last key
+
+
+def test_an_engine_that_has_not_reported_its_capacity_is_bounded_all_the_same():
+    from serve_app.router import prefix_index
+
+    index = PrefixIndex()
+    with mock.patch.object(prefix_index, "UNREPORTED_CAPACITY_BLOCKS", 10):
+        index.record("d0", chain_keys(prompt(1), B))
+        index.set_capacity("d0", 0)  # an engine that does not know yet
+        index.record("d0", chain_keys(prompt(2), B))
+    assert index.held("d0") == 10 and len(index.holders) == 10
 
 
 def test_a_restarted_engine_holds_nothing_and_a_leaving_one_is_forgotten():
