@@ -310,8 +310,10 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
     parser_kwargs = template_kwargs(request) if route == "chat" else {}
     tool_choice = tool_choice_of(request, ctx.tool_parser, ctx.parser_tokenizer, parser_kwargs) if route == "chat" else None
     if tool_choice is not None and not isinstance(tool_choice, AutoCalls):
-        if request.structured_outputs is not None or request.response_format is not None:
-            param = "response_format" if request.response_format is not None else "structured_outputs"
+        # ("text" constrains nothing: vLLM's server takes it, which some clients always send.)
+        formats = request.response_format is not None and getattr(request.response_format, "type", None) != "text"
+        if request.structured_outputs is not None or formats:
+            param = "response_format" if formats else "structured_outputs"
             raise bad_request(f"This tool_choice constrains the reply to tool calls; {param} cannot be added", param=param)
     reasoning = None
     if route == "chat" and ctx.reasoning_parser is not None:
@@ -710,23 +712,28 @@ def _check_repetition_bound(params: Any) -> None:
 
 
 def _check_grammar_nesting(params: Any) -> None:
-    """A JSON schema or structural tag sent as a string escapes the body's nesting bound, and
-    converting one to a grammar costs steeply more with depth (xgrammar: 45 s of an engine
-    replica's event loop for 1,000 levels, in a 30 KB body). vLLM 0.32 bounds it when the engine
-    admits the request, vLLM 0.23 (Ascend) does not: the router bounds it as vLLM 0.32 does, a
-    schema at the body's 64 levels, a structural tag 16 deeper (room for its tag wrappers)."""
+    """Converting a JSON schema or structural tag to a grammar costs steeply more with depth
+    (xgrammar: 45 s of an engine replica's event loop for 1,000 levels, in a 30 KB body), and a
+    request body is bounded only by Python's own nesting limit (a schema sent as a string, by
+    nothing). vLLM 0.32 bounds it when the engine admits the request, vLLM 0.23 (Ascend) does
+    not: the router bounds it as vLLM 0.32 does, whatever sent it (``response_format``,
+    ``structured_outputs``, a named or required tool choice's schema, wrappers included), as an
+    object or a string: a schema at 64 levels, a structural tag 16 deeper (its tag wrappers)."""
     spec = params.structured_outputs
     for name, limit in (("json", MAX_NESTING), ("structural_tag", MAX_NESTING + STRUCTURAL_TAG_WRAPPERS)):
         value = getattr(spec, name, None) if spec is not None else None
-        if not isinstance(value, str):
-            continue
         param = f"structured_outputs.{name}"
-        try:
-            parsed = json.loads(value)
-        except RecursionError:
-            raise bad_request(f"{param} is nested more deeply than {limit} levels", param=param) from None
-        except ValueError:
-            continue  # not JSON: vLLM refuses it, at no cost
+        if isinstance(value, dict | list):
+            parsed = value
+        elif isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except RecursionError:
+                raise bad_request(f"{param} is nested more deeply than {limit} levels", param=param) from None
+            except ValueError:
+                continue  # not JSON: vLLM refuses it, at no cost
+        else:
+            continue
         if _nesting_exceeds(parsed, limit):
             raise bad_request(f"{param} is nested more deeply than {limit} levels", param=param)
 

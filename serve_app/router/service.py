@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import time
@@ -111,13 +112,31 @@ class SessionStreamingResponse(StreamingResponse):
         ended = False
         async for chunk in self.body_iterator:
             ended = isinstance(chunk, LastChunk)
-            await send({"type": "http.response.body", "body": chunk.encode(self.charset), "more_body": not ended})
+            await send({"type": "http.response.body", "body": utf8(chunk), "more_body": not ended})
         if not ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class LastChunk(str):
     """The last piece of a streamed body."""
+
+
+def utf8(text: str) -> bytes:
+    """A JSON text (or an SSE event of one) as UTF-8. A model can write a lone surrogate's escape
+    (``"\\ud83d"``) in a tool call's arguments, which JSON parsing turns into a character UTF-8
+    cannot encode: it is written as that escape again (valid JSON, as the model wrote it) instead
+    of failing the response. Clients cannot send one (refused when parsed)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace")
+
+
+class JSONReply(JSONResponse):
+    """Starlette's JSONResponse (the same JSON), encoded by ``utf8``."""
+
+    def render(self, content: Any) -> bytes:
+        return utf8(json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")))
 
 
 async def sse_body(
@@ -330,8 +349,8 @@ class RouterService:
         if not parsed.stream:
             status, body = await self._final(parsed, received)
             if sum(choice.prompt_logprob_entries for choice in parsed.choices) > OFFLOAD_LOGPROB_ENTRIES:
-                return await asyncio.to_thread(JSONResponse, body, status)  # encoded off the event loop too
-            return JSONResponse(body, status)
+                return await asyncio.to_thread(JSONReply, body, status)  # encoded off the event loop too
+            return JSONReply(body, status)
         session = self._session(parsed, received)
         batches = ended_by_an_error_event(session, session.event_batches(), route)
         stack = AsyncExitStack()
@@ -346,7 +365,7 @@ class RouterService:
             # Nothing was sent yet: a plain error response with the failure's status.
             outcome.status = session.status
             await stack.aclose()
-            return JSONResponse(first[0], session.status)
+            return JSONReply(first[0], session.status)
         return SessionStreamingResponse(sse_body(session, first, batches, outcome), stack.aclose)
 
     async def _parsed_or_error(self, route: Route, parsing: Awaitable[ParsedRequest]) -> ParsedRequest | tuple[int, dict[str, Any]]:

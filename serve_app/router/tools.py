@@ -102,7 +102,8 @@ def tool_choice_of(
     if isinstance(choice, str):
         raise bad_request(AUTO_REFUSED, param="tool_choice")
     name = choice.function.name
-    tool = next((t for t in request.tools if t.function.name == name), None)
+    # The last tool of that name, as vLLM's server (a map by name) takes it.
+    tool = next((t for t in reversed(request.tools) if t.function.name == name), None)
     if tool is None:  # vLLM's validator refuses it first; never constrain by another tool's schema
         raise bad_request(f"Tool '{name}' has not been passed in `tools`", param="tool_choice")
     return ForcedCall(name=name, schema=tool.function.parameters or no_parameters())

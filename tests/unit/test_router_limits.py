@@ -45,6 +45,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
     return error
 
 
+NESTED_SCHEMA = json.loads('{"type": "array", "items": ' * 65 + "{}" + "}" * 65)  # 66 levels
 HOSTILE = {
     "top_k": ({"top_k": BIG}, "top_k"),
     "stop_token_ids": ({"stop_token_ids": [BIG]}, "stop_token_ids"),
@@ -67,6 +68,12 @@ HOSTILE = {
     # depth (vLLM 0.23, on Ascend, does not bound it).
     "structured_outputs.json nested in a string": (
         {"structured_outputs": {"json": '{"type": "array", "items": ' * 65 + "{}" + "}" * 65}},
+        "structured_outputs.json",
+    ),
+    # As an object too: a body is bounded only by Python's recursion limit (about 1,000 levels).
+    "structured_outputs.json nested as an object": ({"structured_outputs": {"json": NESTED_SCHEMA}}, "structured_outputs.json"),
+    "response_format's schema nested": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": NESTED_SCHEMA}}},
         "structured_outputs.json",
     ),
     "structured_outputs.json nested past Python's recursion limit": (

@@ -71,6 +71,31 @@ def test_required_calls_are_an_array_of_the_tools_calls(ctx):
     assert refused(ctx, {"messages": MESSAGES, "tools": tools, "tool_choice": "required"}).param == "tools"
 
 
+def test_a_named_or_required_tools_schema_is_bounded_in_depth_as_vllm_0_32_bounds_it(ctx):
+    """The schema is an object in the body, which Python's parser takes 1,000 levels deep; its
+    grammar costs steeply more with depth (vLLM 0.23, on Ascend, does not bound it)."""
+    deep = json.loads('{"type": "array", "items": ' * 70 + "{}" + "}" * 70)
+    tools = [{"type": "function", "function": {"name": "deep", "parameters": deep}}]
+    for choice in (named("deep"), "required"):
+        assert refused(ctx, {"messages": MESSAGES, "tools": tools, "tool_choice": choice}).param == "structured_outputs.json"
+    shallow = json.loads('{"type": "array", "items": ' * 20 + "{}" + "}" * 20)
+    tools = [{"type": "function", "function": {"name": "deep", "parameters": shallow}}]
+    for choice in (named("deep"), "required"):
+        assert parse_request("chat", {"messages": MESSAGES, "tools": tools, "tool_choice": choice}, ctx).tool_choice is not None
+
+
+def test_a_named_choice_takes_the_last_tool_of_its_name_and_goes_with_a_plain_text_format(ctx):
+    """As vLLM's server: its tools by name are a map (the last one wins), and a response_format
+    of "text" constrains nothing (some clients always send it); a real format is refused."""
+    first = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+    body = {"messages": MESSAGES, "tools": [first, *TOOLS], "tool_choice": named("get_weather")}
+    assert parse_request("chat", body, ctx).sampling_params.structured_outputs.json == WEATHER
+    for choice in (named("get_weather"), "required"):
+        body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "response_format": {"type": "text"}}
+        assert parse_request("chat", body, ctx).tool_choice is not None
+        assert refused(ctx, {**body, "response_format": {"type": "json_object"}}).param == "response_format"
+
+
 def test_auto_needs_a_model_specific_parser_and_is_refused_saying_what_works(ctx):
     for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
         error = refused(ctx, {"messages": MESSAGES, **body})
@@ -365,3 +390,41 @@ def test_auto_through_the_router_with_a_parser_configured(tiny_tokenizer):
         assert "".join(d.get("content") or "" for d in deltas) == content
 
     run(body, args(router={"tool_call_parser": "hermes"}), tiny_tokenizer)
+
+
+def test_a_lone_surrogate_the_model_wrote_in_a_calls_arguments_is_sent_escaped_whole_or_streamed():
+    """JSON lets a model write ``"\\ud83d"``; parsed, that is a character UTF-8 cannot encode,
+    which failed the whole reply with a 500 and cut a stream without its end. It is written as
+    the escape again: valid JSON, the same value."""
+    import asyncio
+
+    from serve_app.router.framing import SSE_DONE, sse
+    from serve_app.router.service import JSONReply, LastChunk, SessionStreamingResponse
+
+    (call,) = required_tool_calls('[{"name": "get_weather", "parameters": {"city": "\\ud83d"}}]')
+    assert json.loads(call["function"]["arguments"]) == {"city": "\ud83d"}
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "", "tool_calls": [call]}}]}
+    assert b'\\ud83d' in JSONReply(body).body and json.loads(JSONReply(body).body) == body
+
+    async def events():
+        yield sse(body)
+        yield LastChunk(SSE_DONE)
+
+    async def stream() -> list[bytes]:
+        sent: list[bytes] = []
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                sent.append(message["body"])
+
+        async def closed():
+            return None
+
+        async def receive():
+            await asyncio.sleep(3600)
+
+        await SessionStreamingResponse(events(), closed)({"type": "http"}, receive, send)
+        return sent
+
+    first, last = asyncio.run(stream())
+    assert json.loads(first.decode().removeprefix("data: ")) == body and last == SSE_DONE.encode()
