@@ -56,3 +56,51 @@ def test_a_request_without_both_lines_or_a_token_is_left_out(handoff, sent, text
         lines = lines.splitlines()[-1]
     first = None if text == "no first token" else t0 + 0.02
     assert handoff.split_ttft(handoff.Sent(sent, t0, first), lines) is None
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_requests_are_sent_one_at_a_time_or_from_that_many_clients_back_to_back(handoff, concurrency):
+    """Every request is recorded but the three warm-ups, from at most ``concurrency`` at once,
+    each timed to its first chunk with a choice, whether or not that chunk has text yet."""
+    import asyncio
+    import json
+    import time
+
+    from aiohttp import web
+
+    seen = {"requests": 0, "in_flight": 0, "most": 0, "max_tokens": set()}
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen["requests"] += 1
+        seen["max_tokens"].add(body["max_tokens"])
+        seen["in_flight"] += 1
+        seen["most"] = max(seen["most"], seen["in_flight"])
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        rid = f"cmpl-{seen['requests']}"
+        for text in ("", "a"):  # a first token whose text is not complete yet, then one that is
+            await asyncio.sleep(0.1 if text else 0.0)
+            seen[rid, text] = time.time()
+            await response.write(f"data: {json.dumps({'id': rid, 'choices': [{'text': text}]})}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        seen["in_flight"] -= 1
+        return response
+
+    async def run() -> list:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await handoff.send_all(f"http://127.0.0.1:{port}", "m", 4, 7, 0.0, concurrency=concurrency, max_tokens=5)
+        finally:
+            await runner.cleanup()
+
+    sent = asyncio.run(run())
+    assert len(sent) == 7 and seen["requests"] == 10 and seen["most"] == concurrency and seen["max_tokens"] == {5}
+    assert {s.request_id for s in sent} == {f"cmpl-{i}" for i in range(4, 11)}
+    assert all(seen[s.request_id, ""] <= s.first_token_at < seen[s.request_id, "a"] for s in sent), sent  # not the first text

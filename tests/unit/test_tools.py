@@ -404,7 +404,7 @@ def test_a_lone_surrogate_the_model_wrote_in_a_calls_arguments_is_sent_escaped_w
     (call,) = required_tool_calls('[{"name": "get_weather", "parameters": {"city": "\\ud83d"}}]')
     assert json.loads(call["function"]["arguments"]) == {"city": "\ud83d"}
     body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "", "tool_calls": [call]}}]}
-    assert b'\\ud83d' in JSONReply(body).body and json.loads(JSONReply(body).body) == body
+    assert b"\\ud83d" in JSONReply(body).body and json.loads(JSONReply(body).body) == body
 
     async def events():
         yield sse(body)
