@@ -274,7 +274,7 @@ def test_a_large_echo_is_framed_off_the_event_loop(tiny_tokenizer, monkeypatch, 
     async def body(app: App) -> None:
         status, data = await completion(app, PROMPT, max_tokens=3, echo=True, logprobs=1, stream=stream)
         assert status == 200
-        assert offloaded == (["chunks"] if stream else ["final", "JSONResponse"])
+        assert offloaded == (["chunks"] if stream else ["final", "JSONReply"])
         offloaded.clear()
         status, data = await completion(app, PROMPT, max_tokens=3, echo=True, logprobs=0, stream=stream)  # under it
         assert status == 200 and offloaded == []
