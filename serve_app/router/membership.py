@@ -72,30 +72,35 @@ def diff(known: Mapping[str, ReplicaInfo], running: Iterable[ReplicaInfo]) -> Ch
     return Change(joined=[r for rid, r in now.items() if rid not in known], left=[rid for rid in known if rid not in now])
 
 
-Listener = Callable[[list[ReplicaInfo]], None]
+# Called with a list and its publisher (one of the process's request routers for the deployment).
+Listener = Callable[[list[ReplicaInfo], str], None]
 
 
 class Membership:
-    """The latest replica list per (application, deployment) in this process, and who wants it.
+    """The latest replica list per (application, deployment) and publisher in this process, and
+    who wants them.
 
-    Serve's request routers may run on another thread than the router's event loop (a handle's
-    router loop); a listener is always called on the loop it subscribed from."""
+    Each of a deployment's handles in the process has its own request router, and each publishes
+    the lists Serve sends it, in order; two publishers' lists may reach a listener in any order, so
+    listeners are told which publisher sent each (``EnginePool.update``). Serve's request routers
+    may run on another thread than the router's event loop (a handle's router loop); a listener is
+    always called on the loop it subscribed from."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._latest: dict[tuple[str, str], list[ReplicaInfo]] = {}
+        self._latest: dict[tuple[str, str], dict[str, list[ReplicaInfo]]] = {}
         self._listeners: dict[tuple[str, str], list[tuple[asyncio.AbstractEventLoop | None, Listener]]] = {}
 
-    def publish(self, app: str, deployment: str, replicas: list[ReplicaInfo]) -> None:
+    def publish(self, app: str, deployment: str, replicas: list[ReplicaInfo], publisher: str = "") -> None:
         key = (app, deployment)
         with self._lock:
-            self._latest[key] = list(replicas)
+            self._latest.setdefault(key, {})[publisher] = list(replicas)
             listeners = list(self._listeners.get(key, ()))
         for loop, listener in listeners:
-            _call_on(loop, listener, list(replicas))
+            _call_on(loop, listener, list(replicas), publisher)
 
     def subscribe(self, app: str, deployment: str, listener: Listener) -> Callable[[], None]:
-        """Call ``listener`` with every list published from now on (and the latest, if any);
+        """Call ``listener`` with every list published from now on (and each publisher's latest);
         returns the function that unsubscribes it."""
         key = (app, deployment)
         try:
@@ -105,9 +110,9 @@ class Membership:
         entry = (loop, listener)
         with self._lock:
             self._listeners.setdefault(key, []).append(entry)
-            latest = self._latest.get(key)
-        if latest is not None:
-            _call_on(loop, listener, list(latest))
+            latest = dict(self._latest.get(key, {}))
+        for publisher, replicas in latest.items():
+            _call_on(loop, listener, list(replicas), publisher)
 
         def unsubscribe() -> None:
             with self._lock:
@@ -118,10 +123,10 @@ class Membership:
         return unsubscribe
 
 
-def _call_on(loop: asyncio.AbstractEventLoop | None, listener: Listener, replicas: list[ReplicaInfo]) -> None:
+def _call_on(loop: asyncio.AbstractEventLoop | None, listener: Listener, replicas: list[ReplicaInfo], publisher: str) -> None:
     def call() -> None:
         try:
-            listener(replicas)
+            listener(replicas, publisher)
         except Exception:  # one bad listener must not stop the others, nor Serve's router
             logger.exception("replica membership listener failed")
 

@@ -112,6 +112,9 @@ class EnginePool:
         # Replicas that left Serve's list, newest last: a list published late (by another of the
         # pool handle's request routers) never brings one back. Serve never reuses a replica id.
         self._gone: OrderedDict[str, None] = OrderedDict()
+        # (role, publisher) -> the replica ids of its last list: a replica leaves when a publisher
+        # that listed it lists it no more, not when one that has not heard of it yet omits it.
+        self._listed: dict[tuple[Role, str], set[str]] = {}
         self._pool_handles: dict[Role, tuple[Any, Any]] = {}
         self.on_joined: Callable[[str], None] | None = None
         self.on_drained: Callable[[Role], None] | None = None  # a role's choosable engines changed
@@ -128,13 +131,19 @@ class EnginePool:
         router replica (Ray Serve 2.60): polls then take Serve's default transport."""
         self._pool_handles[role] = (handle, handle.options(stream=True), stats_handle if stats_handle is not None else handle)
 
-    def update(self, role: Role, running: list[ReplicaInfo]) -> None:
-        """Serve's latest list of ``role``'s running replicas: members join and leave."""
-        known = {rid: ReplicaInfo(replica_id=rid, role=r, name=name) for rid, (name, r) in self._by_replica.items() if r == role}
-        change = diff(known, [r for r in running if r.role == role and r.replica_id not in self._gone])
-        for replica_id in change.left:
+    def update(self, role: Role, running: list[ReplicaInfo], publisher: str = "") -> None:
+        """Serve's latest list of ``role``'s running replicas, as ``publisher`` (one of the
+        process's request routers for the pool's deployment) has it: members join and leave.
+        Each publisher's lists come in order, but two publishers' may cross: a replica leaves
+        when a publisher that listed it lists it no more (a publisher that never listed it may
+        only be behind), and one that left is never brought back by a list published late."""
+        listed = {r.replica_id for r in running if r.role == role}
+        before = self._listed.get((role, publisher), set())
+        self._listed[(role, publisher)] = listed
+        for replica_id in before - listed:
             self.leave(replica_id)
-        for info in change.joined:
+        known = {rid: ReplicaInfo(replica_id=rid, role=r, name=name) for rid, (name, r) in self._by_replica.items() if r == role}
+        for info in diff(known, [r for r in running if r.role == role and r.replica_id not in self._gone]).joined:
             self.join(info)
 
     def join(self, info: ReplicaInfo) -> str:

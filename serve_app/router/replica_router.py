@@ -52,7 +52,7 @@ class EngineRequestRouter(RequestRouter):
         # not the one the router's pool reads.
         from serve_app.router.membership import MEMBERSHIP
 
-        MEMBERSHIP.publish(deployment.app_name, deployment.name, infos)
+        MEMBERSHIP.publish(deployment.app_name, deployment.name, infos, publisher=f"{id(self):x}")
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

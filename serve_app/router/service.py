@@ -312,10 +312,10 @@ class RouterService:
             self._unsubscribe.append(MEMBERSHIP.subscribe(self.app_name, role, functools.partial(self.on_replicas, role)))
         self._poller = loop.create_task(self.pool.poll_forever(self.config.router.stats_interval_s))
 
-    def on_replicas(self, role: Role, running: list[ReplicaInfo]) -> None:
-        """Serve's latest list of ``role``'s replicas: the pool follows it, and the gauge says how
-        many of them the router can now choose."""
-        self.pool.update(role, running)
+    def on_replicas(self, role: Role, running: list[ReplicaInfo], publisher: str = "") -> None:
+        """Serve's latest list of ``role``'s replicas, as one of the process's request routers
+        has it: the pool follows it, and the gauge says how many of them the router can now choose."""
+        self.pool.update(role, running, publisher)
         self._report_pool(role)
 
     def _report_pool(self, role: Role) -> None:

@@ -155,7 +155,7 @@ def test_membership_diffs_at_100_replicas_and_8_routers():
     pools = [EnginePool({}) for _ in range(8)]
     for pool in pools:
         pool.attach("decode", FakePoolHandle())
-        registry.subscribe("app", "decode", lambda replicas, pool=pool: pool.update("decode", replicas))
+        registry.subscribe("app", "decode", lambda replicas, publisher, pool=pool: pool.update("decode", replicas, publisher))
     registry.publish("app", "decode", infos("decode", range(100)))
     assert all(len(pool.members) == 100 for pool in pools)
     started = time.perf_counter()
@@ -174,7 +174,7 @@ def test_a_listener_is_called_on_its_own_loop_whatever_thread_publishes():
     seen: list[tuple[int, list[str]]] = []
 
     async def main() -> None:
-        registry.subscribe("app", "prefill", lambda replicas: seen.append((threading.get_ident(), [r.name for r in replicas])))
+        registry.subscribe("app", "prefill", lambda replicas, _: seen.append((threading.get_ident(), [r.name for r in replicas])))
         other = threading.Thread(target=registry.publish, args=("app", "prefill", infos("prefill", range(2))))
         other.start()
         other.join()
@@ -182,10 +182,11 @@ def test_a_listener_is_called_on_its_own_loop_whatever_thread_publishes():
 
     asyncio.run(main())
     assert seen == [(threading.get_ident(), ["prefill-0", "prefill-1"])]
-    # A late subscriber gets the latest list at once.
-    late: list[int] = []
-    registry.subscribe("app", "prefill", lambda replicas: late.append(len(replicas)))
-    assert late == [2]
+    # A late subscriber gets each publisher's latest list at once.
+    registry.publish("app", "prefill", infos("prefill", range(3)), publisher="other")
+    late: list[tuple[int, str]] = []
+    registry.subscribe("app", "prefill", lambda replicas, publisher: late.append((len(replicas), publisher)))
+    assert late == [(2, ""), (3, "other")]
 
 
 def test_replica_metadata_becomes_a_member_that_is_callable_at_once():
@@ -383,3 +384,21 @@ def test_a_replica_that_left_is_not_brought_back_by_a_list_published_late():
     pool.update("decode", three[:2])  # Serve stops the third
     pool.update("decode", three)  # a list another of the handle's request routers published before that
     assert sorted(pool.members) == ["decode-0", "decode-1"]
+
+
+def test_a_replica_that_joined_is_not_dropped_by_a_list_published_late():
+    """The mirror case: one request router has the new replica, another's older list (published
+    after it) does not. The replica stays; it leaves when a router that listed it drops it."""
+    pool = EnginePool({})
+    pool.attach("decode", FakePoolHandle())
+    three = infos("decode", range(3))
+    pool.update("decode", three[:2], "a")
+    pool.update("decode", three[:2], "b")
+    pool.update("decode", three, "a")  # a scale-up
+    pool.update("decode", three[:2], "b")  # b, behind, publishes its older list again
+    assert sorted(pool.members) == ["decode-0", "decode-1", "decode-2"] and pool.choosable("decode") == 3
+    pool.update("decode", three, "b")  # b catches up
+    pool.update("decode", three[1:], "a")  # Serve stops the first: a's list says so first
+    assert sorted(pool.members) == ["decode-1", "decode-2"]
+    pool.update("decode", three, "b")  # and b's late list does not bring it back
+    assert sorted(pool.members) == ["decode-1", "decode-2"]
