@@ -57,6 +57,10 @@ class EngineCallServer:
         self.endpoint = EngineCallEndpoint(url=f"http://{bound_host}:{port}", token=self.token)
         logger.info("engine call endpoint at %s", self.endpoint.url)
 
+    @property
+    def serving(self) -> bool:
+        return self._server.serving
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "websocket":
             # Refused before any token check; returning without closing it would have uvicorn

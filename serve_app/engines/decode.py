@@ -44,6 +44,11 @@ class Decode(EngineServer):
         # Closed with this generator, at once: its own close aborts the engine request.
         async with contextlib.aclosing(self._generate(request)) as events:
             async for event in events:
+                if isinstance(event, KVReady) and self.draining:
+                    # Stopping while the request waited for its KV: "moved" now, before a prefill
+                    # engine computes and pushes a prompt this engine would cut at its first token.
+                    yield TokenDelta([], finish_reason="stop", stop_reason=MOVED)
+                    return
                 if isinstance(event, TokenDelta):
                     # The gap between this stream's outputs per token it brought: the autoscaler's
                     # decode latency signal (streams are paced, several tokens to an output, so

@@ -62,6 +62,10 @@ class MetaserverRelay:
         self.url = f"http://{self.host}:{self._server.address[1]}{PATH}"
         logger.info("metaserver relay at %s", self.url)
 
+    @property
+    def serving(self) -> bool:
+        return self._server is not None and self._server.serving
+
     def expect(self, request_id: str) -> tuple[asyncio.Future[dict[str, Any]], str]:
         """(the future of the callback's body, the URL the callback must go to). Register before
         the request reaches the engine, so the callback always finds it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -44,13 +45,15 @@ class Prefill(EngineServer):
         finish_reason = None
         counted = False
         try:
-            async for event in self.runner.generate(request):
-                if isinstance(event, EngineRejected):
-                    raise PrefillFailed(f"{self.spec.name}: refused {request.request_id}: {event.message}")
-                if not counted:  # the first output says what the prefix cache held
-                    counted = True
-                    self.count_prompt(tokens, event.num_cached_tokens)
-                finish_reason = event.finish_reason
+            # Closed with this call however it ends, at once (not when the collector finalises it).
+            async with contextlib.aclosing(self.runner.generate(request)) as events:
+                async for event in events:
+                    if isinstance(event, EngineRejected):
+                        raise PrefillFailed(f"{self.spec.name}: refused {request.request_id}: {event.message}")
+                    if not counted:  # the first output says what the prefix cache held
+                        counted = True
+                        self.count_prompt(tokens, event.num_cached_tokens)
+                    finish_reason = event.finish_reason
         finally:
             self._prompt_tokens -= tokens
             # Every call, also one cancelled (a router's deadline, a client gone) or failed: under

@@ -208,8 +208,15 @@ class EngineServer:
         }
 
     async def check_health(self) -> None:
-        """Serve's health check: a dead engine core restarts the replica."""
+        """Serve's health check: a dead engine core restarts the replica, and so does a dead
+        call endpoint or metaserver relay (every call, or every disaggregated attempt's KV
+        parameters, would fail while the engine itself looked healthy)."""
         await self.runner.check_health()
+        if self.draining:
+            return  # they close as the replica stops
+        for what, server in (("call endpoint", self.call_server), ("metaserver relay", getattr(self, "relay", None))):
+            if server is not None and not server.serving:
+                raise RuntimeError(f"{self.spec.name}: its {what} stopped serving")
 
     def __del__(self) -> Any:
         """Serve calls this when it stops the replica, and awaits what this returns: the drain.

@@ -169,9 +169,12 @@ class VLLMRunner:
             self._load.finish_signals.pop(request.request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        await self.llm.abort(request_id)
+        if self.llm is not None:  # stopped: nothing left to abort
+            await self.llm.abort(request_id)
 
     async def check_health(self) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"{self.name}: the engine has stopped")
         await self.llm.check_health()
 
     def stats(self) -> EngineStats:

@@ -384,6 +384,11 @@ class InReplicaServer:
         self._server = _QuietServer(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
 
+    @property
+    def serving(self) -> bool:
+        """False once the server has exited (asked to, or failed)."""
+        return not self._task.done()
+
     def close(self) -> None:
         """Ask the server to exit (from sync code too, e.g. a replica's ``__del__``)."""
         self._server.should_exit = True

@@ -18,6 +18,7 @@ from unittest import mock
 import pytest
 
 from serve_app.router.service import Outcome, sse_body
+from serve_app.wire.protocol import KVReady
 from tests.support.inprocess import (
     PROMPT,
     App,
@@ -1286,3 +1287,51 @@ def test_the_latency_signals_count_every_prefill_call_and_decode_time_per_token(
         assert len(per_token) >= 4 and max(per_token) < 0.03, per_token
 
     run(body, args(mock={"decode_step_s": 0.005}, stream_items_per_s=20), tiny_tokenizer)
+
+
+def test_a_decode_engine_that_starts_stopping_while_an_attempt_waits_for_its_kv_moves_it_before_any_prefill(tiny_tokenizer):
+    """Serve stops a decode replica between the attempt's admission and its KV parameters: the
+    replica answers "moved" instead of passing the parameters on, so no prefill engine computes
+    and pushes a prompt it would only cut at the first token; the attempt resumes elsewhere."""
+
+    async def body(app: App) -> None:
+        stopped: list[str] = []
+        for name in ("decode-0", "decode-1"):
+            engine = app.engines[name]
+            original = engine._generate
+
+            async def stopping_at_kv(request: Any, engine: Any = engine, original: Any = original, name: str = name) -> Any:
+                async for event in original(request):
+                    if isinstance(event, KVReady) and not stopped:
+                        stopped.append(name)
+                        engine.draining = True  # as Serve's stop sets it
+                    yield event
+
+            engine._generate = stopping_at_kv
+        prompt = [41, *PROMPT]
+        status, data = await completion(app, prompt)
+        assert status == 200 and data["choices"][0]["token_ids"] == expected(prompt, 8)
+        assert stopped and len(app.engines["prefill-0"].runner.requests) == 1  # one prefill: the resumed attempt's
+        metrics = app.service.metrics
+        assert metrics.migrations.values == {(("cause", "drain"), ("engine", stopped[0])): 1} and not metrics.errors.values
+
+    run(body, args(decode={"num_replicas": 2}), tiny_tokenizer, recording_router_metrics())
+
+
+def test_an_engine_replica_whose_call_endpoint_or_relay_stopped_fails_its_health_check(tiny_tokenizer):
+    """Serve restarts a replica whose health check fails: one whose engine is fine but whose call
+    endpoint (every router call fails) or metaserver relay (every disaggregated attempt waits out
+    its KV deadline) has exited must fail it too."""
+
+    async def body(app: App) -> None:
+        decode, prefill = app.engines["decode-0"], app.engines["prefill-0"]
+        await decode.check_health()
+        await prefill.check_health()
+        for server in (decode.relay._server, prefill.call_server._server):
+            server.close()
+            await asyncio.wait_for(asyncio.shield(server._task), 5)
+        for engine, what in ((decode, "metaserver relay"), (prefill, "call endpoint")):
+            with pytest.raises(RuntimeError, match=what):
+                await engine.check_health()
+
+    run(body, args(router={"engine_transport": "http"}), tiny_tokenizer)
