@@ -14,6 +14,7 @@ import select
 import socket
 import struct
 import sys
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -134,14 +135,20 @@ def coalescing_http_protocol(
     header_timeout_s: float | None = None,
     max_header_bytes: int = MAX_HEADER_BYTES,
     implementation: str = "auto",
+    max_pending: int | None = None,
 ) -> type[asyncio.Protocol]:
     """The HTTP protocol uvicorn's ``http="auto"`` picks (httptools, else h11; or the one named),
-    on a ``CoalescingTransport``, with two bounds on a request's header that uvicorn lacks:
+    on a ``CoalescingTransport``, with three bounds on a request's header that uvicorn lacks:
 
     * a connection that has not sent a whole request header within ``header_timeout_s`` of
       connecting (or of its request's first byte) is closed. uvicorn bounds only the idle time
       between kept-alive requests: a client that sends half a header, a byte at a time, would
       hold its connection and its place in ``limit_concurrency`` forever;
+    * at most ``max_pending`` connections of the server wait for their request's header at once:
+      past it, the one that has waited longest is closed. A peer that opens connections and
+      sends nothing (no token needed) would otherwise fill ``limit_concurrency`` within the
+      header deadline, again and again, and uvicorn then answers every request 503, those on
+      the routers' kept-alive connections too; a real client sends its header as it connects;
     * with httptools, a header larger than ``max_header_bytes`` is answered 431 and the
       connection closed (h11 has its own bound, ``h11_max_incomplete_event_size``). Bytes are
       counted per read from a connection's first read, or from the read after the one in which a
@@ -160,6 +167,8 @@ def coalescing_http_protocol(
         return base
 
     class CoalescingHttpProtocol(base):  # type: ignore[valid-type, misc]
+        # This server's connections waiting for a request header, longest-waiting first.
+        _pending: OrderedDict[Any, None] = OrderedDict()
         _header_deadline: asyncio.TimerHandle | None = None
         _in_header = False
         _header_bytes = 0
@@ -238,7 +247,15 @@ def coalescing_http_protocol(
         def _header_begun(self) -> None:
             if not self._in_header:
                 self._in_header, self._header_bytes, self._header_tail = True, 0, b""
+                self._wait_in_line()
             self._start_header_deadline()
+
+        def _wait_in_line(self) -> None:
+            pending = self._pending
+            pending[self] = None
+            if max_pending is not None and len(pending) > max_pending:
+                oldest, _ = pending.popitem(last=False)
+                oldest._header_expired()
 
         def _start_header_deadline(self) -> None:
             if header_timeout_s is not None and self._header_deadline is None:
@@ -246,12 +263,13 @@ def coalescing_http_protocol(
 
         def _header_done(self) -> None:
             self._in_header = False
+            self._pending.pop(self, None)
             if self._header_deadline is not None:
                 self._header_deadline.cancel()
                 self._header_deadline = None
 
         def _header_expired(self) -> None:
-            self._header_deadline = None
+            self._header_done()
             if not self.transport.is_closing():
                 self.transport.close()
 
@@ -369,7 +387,8 @@ class InReplicaServer:
         # handler in the process, Serve's log-file handler of this replica included.
         config = uvicorn.Config(
             app,
-            http=coalescing_http_protocol(header_timeout_s, max_header_bytes, http),
+            # Half the connections for those waiting for their header: the rest stay for requests.
+            http=coalescing_http_protocol(header_timeout_s, max_header_bytes, http, max_connections // 2 if max_connections else None),
             limit_concurrency=max_connections,
             h11_max_incomplete_event_size=max_header_bytes,
             log_config=None,

@@ -90,3 +90,45 @@ def test_a_body_trickled_after_an_early_answer_does_not_hold_the_connection(http
             await server.stop()
 
     asyncio.run(main())
+
+
+async def _ok(request: Request) -> JSONResponse:
+    return JSONResponse({"ok": True})
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_connections_that_send_nothing_cannot_fill_the_server(http):
+    """A stranger needs no token to open connections and send nothing: within the header
+    deadline as many as ``max_connections`` made uvicorn answer every request 503, those on a
+    caller's kept-alive connection too. Past half of it, the connection that waited longest for
+    its header is closed."""
+
+    async def main() -> None:
+        app = Starlette(routes=[Route("/", _ok, methods=["GET"])])
+        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), max_connections=16, http=http)
+        port = server.address[1]
+        strangers: list[socket.socket] = []
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                assert (await client.get("/")).status_code == 200  # a caller's kept-alive connection
+                for _ in range(40):
+                    strangers.append(socket.create_connection(("127.0.0.1", port)))
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(0.1)
+                assert (await client.get("/")).status_code == 200  # on its kept-alive connection
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                assert (await client.get("/")).status_code == 200  # and on a new one
+            open_strangers = 0
+            for sock in strangers:
+                sock.setblocking(False)
+                try:
+                    open_strangers += sock.recv(1) != b""
+                except BlockingIOError:
+                    open_strangers += 1  # nothing to read: still open
+            assert open_strangers <= 8, open_strangers
+        finally:
+            for sock in strangers:
+                sock.close()
+            await server.stop()
+
+    asyncio.run(main())
