@@ -115,6 +115,11 @@ CPU = Backend(
         # Seeded sampling that survives chunked prefill (vLLM's CPU generators cannot undo a
         # draw) and goes on where a resumed request left off.
         SEEDED_SAMPLING_ENV: "1",
+        # vLLM's V1 model runner, whose sampler, input batch and logits processors the plug-ins
+        # and the decode engines' resumed-output processor are written for. vLLM 0.32 takes its V2
+        # runner wherever Triton is importable (triton-cpu on x86), where decode engines would
+        # fail to start and seeded sampling would be left out.
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
     },
     router_env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
     pins_cpu_threads=True,
@@ -443,8 +448,11 @@ def no_proxy_with_loopback(existing: str | None) -> str:
 
 
 def environment_problems(backend: Backend, env: Mapping[str, str]) -> list[str]:
-    """Why an engine of ``backend`` must not start with ``env``, one line per variable set."""
-    return [f"{name} is set: {why}; unset it" for name, why in backend.refused_env.items() if env.get(name, "") not in ("", "0")]
+    """Why an engine of ``backend`` must not start with ``env``, one line per problem."""
+    from serve_app.vllm_plugins import plugin_problems
+
+    problems = [f"{name} is set: {why}; unset it" for name, why in backend.refused_env.items() if env.get(name, "") not in ("", "0")]
+    return problems if backend.mock_engine else problems + plugin_problems(env)
 
 
 def prepare_engine_environment(backend: Backend, environ: MutableMapping[str, str], notes: tuple[str, ...] = ()) -> None:

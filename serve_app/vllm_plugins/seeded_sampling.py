@@ -37,7 +37,7 @@ import logging
 import os
 from typing import Any
 
-from serve_app.runtime.private_symbols import patch_once
+from serve_app.runtime.private_symbols import PATCHED, patch_once
 from serve_app.vllm_plugins.processes import runs_the_model
 from serve_app.wire.sampling import resumed_output_tokens
 
@@ -65,9 +65,17 @@ def install() -> None:
         from vllm.v1.worker.gpu_input_batch import CachedRequestState
     except ImportError:  # a vLLM without the V1 worker: nothing to do
         return
+    if getattr(TopKTopPSampler.forward_cpu, PATCHED, False):
+        return  # loaded before in this process
     without = "seeded sampling that survives chunked prefill and a recompute"
-    if patch_once(TopKTopPSampler, "forward_cpu", marking_steps, SYMBOLS, logger, without):
-        CachedRequestState.__post_init__ = with_step_generator(CachedRequestState.__post_init__)
+    if not patch_once(TopKTopPSampler, "forward_cpu", marking_steps, SYMBOLS, logger, without):
+        # Not a lost optimisation: without it any client's seeded prompt computed in chunks kills
+        # this CPU engine core (the warning above names what differs in this vLLM).
+        raise RuntimeError(
+            f"pd-serve cannot install its seeded sampling on this vLLM, and without it a seeded prompt "
+            f"computed in chunks kills the engine: run the vLLM pd-serve supports (or unset {ENV} to run without it)"
+        )
+    CachedRequestState.__post_init__ = with_step_generator(CachedRequestState.__post_init__)
 
 
 def with_step_generator(post_init: Any) -> Any:

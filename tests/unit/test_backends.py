@@ -354,3 +354,22 @@ def test_cpu_decode_engines_load_the_resumed_output_logits_processor():
 def test_ascend_and_mock_decode_engines_load_no_logits_processor():
     assert "logits_processors" not in specs_by_name(ASCEND)["decode-0"].engine_kwargs
     assert "logits_processors" not in specs_by_name({"backend": "mock"})["decode-0"].engine_kwargs
+
+
+def test_an_engine_does_not_start_without_pd_serves_plugins():
+    """Installed (pd-serve on the path only has no entry points for vLLM to find) and allowed by
+    an operator's VLLM_PLUGINS: without them an engine runs wrong (a grammar or seeded sampling
+    starts over on a resumed attempt) or breakable (a seeded prompt in chunks kills a CPU engine)."""
+    import tomllib
+
+    from serve_app.config.backends import CPU, MOCK, environment_problems
+    from serve_app.config.settings import REPO_ROOT
+    from serve_app.vllm_plugins import ENTRY_POINT_GROUP, ENTRY_POINTS, plugin_problems
+
+    declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["entry-points"][ENTRY_POINT_GROUP]
+    assert set(declared) == set(ENTRY_POINTS)
+    assert plugin_problems({}) == [] and environment_problems(CPU, {}) == []  # installed, no allowlist
+    assert plugin_problems({"VLLM_PLUGINS": ",".join(ENTRY_POINTS) + ",another"}) == []
+    (problem,) = environment_problems(CPU, {"VLLM_PLUGINS": "another"})
+    assert "VLLM_PLUGINS leaves out" in problem and "pd_serve_seeded_sampling" in problem
+    assert environment_problems(MOCK, {"VLLM_PLUGINS": "another"}) == []  # no vLLM engine there

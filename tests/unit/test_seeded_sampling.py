@@ -170,3 +170,26 @@ def test_install_patches_only_where_the_environment_asks_in_the_models_process_a
 
 def test_the_cpu_backend_turns_it_on_for_its_engines():
     assert CPU.engine_env[seeded_sampling.ENV] == "1"
+
+
+def test_an_engine_does_not_start_without_it_where_its_environment_asks_for_it(monkeypatch):
+    """Not an optimisation to stand aside from: without it any client's seeded prompt computed in
+    chunks kills a CPU engine core. A vLLM whose symbols differ fails the engine's start, loudly."""
+    from serve_app.runtime import private_symbols
+
+    monkeypatch.setattr(TopKTopPSampler, "forward_cpu", TopKTopPSampler.forward_cpu)
+    monkeypatch.setattr(CachedRequestState, "__post_init__", CachedRequestState.__post_init__)
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setattr(multiprocessing.current_process(), "name", f"{WORKER_PROCESS}0")
+    monkeypatch.setattr(private_symbols, "unchanged", lambda *args, **kwargs: False)
+    with pytest.raises(RuntimeError, match="seeded prompt computed in chunks"):
+        install()
+
+
+def test_the_cpu_backend_keeps_vllms_v1_model_runner_whose_sampler_the_plugins_patch(monkeypatch):
+    """vLLM 0.32 takes its V2 model runner wherever Triton imports (triton-cpu on x86): there the
+    decode engines' logits processor is refused at start and seeded sampling is left out."""
+    import vllm.envs
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", CPU.engine_env["VLLM_USE_V2_MODEL_RUNNER"])
+    assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is False
