@@ -8,8 +8,11 @@ scheduler, like vllm-ascend's RecomputeScheduler, instead *finishes* the victim 
 ``finish_reason="stop"`` and ``stop_reason="recomputed"`` and no new tokens, freeing its blocks at
 once; the router then resumes it, token for token, through prefill and another decode engine.
 
-Every token already streamed stays valid: the victim ends between two engine steps, so no token
-is computed and then dropped, and none is sent twice.
+Every token already streamed stays valid and none is sent twice: the victim ends between two
+engine steps. With synchronous scheduling and one pipeline stage (vLLM's CPU engine) no token is
+computed and then dropped either; where vLLM schedules a step ahead (pipeline parallelism, async
+scheduling) the victim's token of the step already under way is dropped with it, and the router
+resumes from the tokens it streamed.
 
 Enable it with ``scheduler_cls="serve_app.kv.recompute_scheduler.RecomputeScheduler"`` (the CPU
 backend does for decode engines when ``decode.recompute`` is on). It runs in the engine-core

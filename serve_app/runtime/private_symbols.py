@@ -4,7 +4,9 @@ vLLM, torch, Ray, uvicorn and transformers change their internals between releas
 notice. Each entry here names one such symbol, what pd-serve does with it and the shape pd-serve
 was written against; ``check`` compares that shape with the installed library. A plug-in checks
 its own symbols before it patches anything and stands aside on a mismatch (``unchanged``): the
-engine still runs, only without that optimisation, and the log names what changed.
+engine still runs, only without that optimisation, and the log names what changed; a plug-in
+without which a client could break the engine (seeded sampling on the CPU) fails its start
+instead.
 ``tests/unit/test_private_symbols.py`` checks every entry, on vLLM 0.32 and on vLLM 0.23 (the
 entries that name it), so an upgrade fails in one test that names each symbol it changed.
 
@@ -57,6 +59,9 @@ class Symbol:
     # (qualname in ``module``, text): the library code that sets or calls the symbol as pd-serve
     # expects. Read from its source, so a symbol that still exists but is no longer used fails too.
     source_has: tuple[tuple[str, str], ...] = ()
+    # The texts of ``source_has`` that share a place must come in that order there (where
+    # pd-serve depends on what the library does first).
+    in_order: bool = False
 
     @property
     def name(self) -> str:
@@ -68,6 +73,7 @@ class Symbol:
         parts += [" | ".join(self.params)] if self.params else []
         parts += [f"takes {', '.join(self.takes)}"] if self.takes else []
         parts += [f"{where} has {text!r}" for where, text in self.source_has]
+        parts += ["in that order"] if self.in_order else []
         return "; ".join(parts)
 
 
@@ -186,7 +192,10 @@ _ENTRIES: tuple[Symbol, ...] = (
         "serve_app/kv/recompute_scheduler.py",
         CPU,
         params=("(self, request, timestamp, drop_stale_output)",),
-        source_has=(("Scheduler.schedule", "self._preempt_request("),),
+        # The override finishes the request it is given: the caller must have taken it out of
+        # the running queue first, as schedule does.
+        source_has=(("Scheduler.schedule", "self.running.pop()"), ("Scheduler.schedule", "self._preempt_request(")),
+        in_order=True,
     ),
     Symbol(
         _SCHED,
@@ -358,6 +367,52 @@ _ENTRIES: tuple[Symbol, ...] = (
         CPU,
         params=("(self, scheduler_output, sampler_output, logits, hidden_states, num_scheduled_tokens)",),
         source_has=(("GPUModelRunner._bookkeeping_sync", "gen.set_offset(gen.get_offset() - 4)"),),
+    ),
+    # vllm_plugins/processes.py: which of an engine's processes a plug-in runs in
+    Symbol(
+        "vllm.v1.engine.utils",
+        "CoreEngineProcManager.__init__",
+        "vllm",
+        READ,
+        "serve_app/vllm_plugins/processes.py",
+        CPU,
+        params=(
+            "(self, local_engine_count, start_index, local_start_index, vllm_config, local_client, handshake_address, "
+            "executor_class, log_stats, client_handshake_address, tensor_queue)",
+        ),
+        source_has=(("CoreEngineProcManager.__init__", 'else "EngineCore"'),),
+    ),
+    # vllm_plugins/resumed_output.py undoes vLLM's penalties as vLLM applies them: bad words, then
+    # the logits processors that change the argmax (it is one), then the penalties, repetition first.
+    Symbol(
+        "vllm.v1.sample.sampler",
+        "Sampler.apply_logits_processors",
+        "vllm",
+        READ,
+        "serve_app/vllm_plugins/resumed_output.py",
+        CPU,
+        params=("(self, logits, sampling_metadata, predict_bonus_token)",),
+        source_has=(
+            ("Sampler.apply_logits_processors", "apply_bad_words("),
+            ("Sampler.apply_logits_processors", "sampling_metadata.logitsprocs.non_argmax_invariant"),
+            ("Sampler.apply_logits_processors", "self.apply_penalties("),
+        ),
+        in_order=True,
+    ),
+    Symbol(
+        "vllm.model_executor.layers.utils",
+        "apply_penalties",
+        "vllm",
+        READ,
+        "serve_app/vllm_plugins/resumed_output.py",
+        CPU,
+        params=("(logits, prompt_tokens_tensor, output_tokens_tensor, presence_penalties, frequency_penalties, repetition_penalties)",),
+        source_has=(
+            ("apply_penalties", "apply_repetition_penalties(logits, prompt_mask, output_mask, repetition_penalties)"),
+            ("apply_penalties", "logits -= frequency_penalties.unsqueeze(dim=1) * output_bin_counts"),
+            ("apply_penalties", "logits -= presence_penalties.unsqueeze(dim=1) * output_mask"),
+        ),
+        in_order=True,
     ),
     Symbol(
         "vllm.v1.executor.multiproc_executor",
@@ -669,6 +724,7 @@ def _check(symbol: Symbol) -> str | None:
         problem = _shape_problem(symbol, inspect.unwrap(obj) if callable(obj) or symbol.kind == MODULE else obj)
         if problem is not None:
             return f"{symbol.name}: {problem}"
+    after: dict[str, int] = {}  # in_order: where in each place's source the last text was found
     for where, text in symbol.source_has:
         found, obj = _resolve(module, where)
         if not found:
@@ -678,6 +734,11 @@ def _check(symbol: Symbol) -> str | None:
             return f"{symbol.name}: the source of {symbol.module}.{where} cannot be read"
         if text not in source:
             return f"{symbol.name}: {symbol.module}.{where} no longer has {text!r}"
+        if symbol.in_order:
+            at = source.find(text, after.get(where, 0))
+            if at < 0:
+                return f"{symbol.name}: {symbol.module}.{where} no longer has {text!r} after the text before it"
+            after[where] = at + len(text)
     return None
 
 

@@ -150,6 +150,21 @@ def test_a_changed_symbol_is_reported_by_name(fake_library, name, attr, value, r
     assert re.search(reported, problem), problem
 
 
+def test_texts_that_must_come_in_order_are_checked_in_order(fake_library, monkeypatch):
+    """Where pd-serve depends on what the library does first (vLLM's penalties after its logits
+    processors): the same texts in another order are a change."""
+    name = f"{fake_library.__name__}.Hooks.run"
+    texts = (("Hooks.run", "return"), ("Hooks.run", "self.hook("))
+    symbol = Symbol(fake_library.__name__, "Hooks.run", "vllm", "read", "serve_app/app.py", ("0.32",), params=("(self)",), source_has=texts)
+    monkeypatch.setitem(MANIFEST, name, symbol)
+    assert check(name) is None  # in any order
+    monkeypatch.setitem(MANIFEST, name, dataclasses.replace(MANIFEST[name], in_order=True))
+    assert check(name) is None
+    monkeypatch.setitem(MANIFEST, name, dataclasses.replace(MANIFEST[name], source_has=texts[::-1]))
+    problem = check(name)
+    assert problem is not None and "no longer has 'return' after the text before it" in problem, problem
+
+
 def test_a_library_that_does_not_import_is_reported(fake_library):
     problem = check("pd_serve_no_such_library.Thing")
     assert problem is not None and "does not import" in problem
