@@ -13,8 +13,11 @@ awaiting_first_token   no token / done (or colocated: none)         ``first_toke
 decoding               tokens flow / done or none                   the request's only
 =====================  ==========================================  ====================
 
-Anything the table does not name (a second KVReady, a prefill result nobody started) is a
-protocol error: the attempt fails instead of guessing (``PhaseError``).
+In ``prefill_ending`` the tokens show the prompt's KV whole on the decode engine: a prefill call
+that then outlives ``prefill_s``, whose engine leaves or that fails is let go and the stream
+decodes on (``cdcp.AttemptRun``). Anything the table does not name (a second KVReady, a prefill
+result nobody started) is a protocol error: ``cdcp.py`` asks ``allowed`` first and fails the
+attempt (retried elsewhere) instead of guessing; ``advance`` raises ``PhaseError`` for it.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ requests and frees their KV blocks, and gives back the router's load leases.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -239,7 +240,10 @@ class AttemptExecutor:
             if load is not None or time.monotonic() >= deadline or (give_up is not None and give_up()):
                 return load
             await asyncio.sleep(ENGINE_WAIT_POLL_S)
-            await self.pool.refresh()
+            # A poll of a hung engine takes its whole stats timeout: never past the deadline.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await self.pool.refresh()
 
 
 def past(deadline: float | None) -> bool:
@@ -286,7 +290,9 @@ class AttemptRun:
         # Set when Serve starts stopping the decode engine (the pool's ``watch``): the attempt
         # ends at once, as a move, and the request resumes on another decode engine.
         self.leaving = False
-        self.prefill_left_at: float | None = None  # when the prefill engine began leaving during its call
+        # When the prefill engine's grace ends, if it began leaving during its call (a deadline of
+        # its own beside the phase's: which one passes first says whether it was a move).
+        self.prefill_grace_end: float | None = None
         self._read_scope: asyncio.Timeout | None = None
         self._wake: asyncio.Future | None = None
 
@@ -309,9 +315,7 @@ class AttemptRun:
         """The prefill engine is leaving while its call runs: the call gets a short grace."""
         if self.prefill_task is None or self.prefill_task.done():
             return
-        self.prefill_left_at = time.monotonic()
-        grace_end = self.prefill_left_at + PREFILL_LEAVING_GRACE_S
-        self.deadline = grace_end if self.deadline is None else min(self.deadline, grace_end)
+        self.prefill_grace_end = time.monotonic() + PREFILL_LEAVING_GRACE_S
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)  # the wait looks again, with the shorter deadline
 
@@ -349,8 +353,13 @@ class AttemptRun:
                     yield self._moved()
                     return
                 if not done:
-                    prefill_gone = self.prefill_left_at is not None and self.prefill_task is not None
-                    yield self._prefill_moved() if prefill_gone and not past(self.request_deadline) else self._timed_out()
+                    if self.phase is AttemptPhase.PREFILL_ENDING and not past(self.request_deadline):
+                        yield self._let_prefill_go("outlived its deadline" if self.prefill_grace_end is None else "is leaving")
+                        continue
+                    if self._prefill_grace_passed_first() and not past(self.request_deadline):
+                        yield self._prefill_moved()
+                    else:
+                        yield self._timed_out()
                     return
                 if self._wake in done:
                     self._wake = None  # woken by the prefill engine leaving: a fresh one for the next wait
@@ -393,9 +402,34 @@ class AttemptRun:
         finally:
             self._read_scope = None
 
+    def _prefill_grace_passed_first(self) -> bool:
+        """The prefill engine left during its call and its grace, not the phase's deadline, ran out."""
+        grace = self.prefill_grace_end
+        return grace is not None and self.prefill_task is not None and (self.deadline is None or grace <= self.deadline)
+
+    def _let_prefill_go(self, why: str) -> PrefillDoneEvent:
+        """Tokens flow, so the prompt's KV is whole on the decode engine: a prefill call that
+        outlives its deadline, whose engine is leaving or that fails now (only its last
+        acknowledgements were left) no longer matters to this attempt. Its call is cancelled
+        and its lease released, and the stream decodes on (its KV stays where it is)."""
+        task, self.prefill_task = self.prefill_task, None
+        if task is not None:
+            if not task.done():
+                task.cancel()
+                if self.prefill_call is not None:
+                    self.prefill_call.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its outcome no longer matters
+        logger.info("attempt %s: the prefill call on %s %s after its push; decoding on", self.plan.attempt_id, self.prefill, why)
+        self.prefill_grace_end = None
+        self.prefill_lease.close()
+        self._advance(PhaseEvent.PREFILL_DONE)
+        return PrefillDoneEvent(self.prefill or "", None)
+
     def _time_left(self) -> float | None:
-        """Seconds to the earlier of the phase's and the request's deadlines (None: no deadline)."""
-        deadlines = [d for d in (self.deadline, self.request_deadline) if d is not None]
+        """Seconds to the earliest of the phase's and the request's deadlines and a leaving
+        prefill engine's grace (None: no deadline)."""
+        grace = self.prefill_grace_end if self.prefill_task is not None else None
+        deadlines = [d for d in (self.deadline, self.request_deadline, grace) if d is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _timed_out(self) -> AttemptFailed:
@@ -411,6 +445,9 @@ class AttemptRun:
         if exc is not None:
             if engine_gone(exc):
                 self.executor.pool.mark_unhealthy(self.prefill)
+            if self.phase is AttemptPhase.PREFILL_ENDING:
+                self.prefill_task = task
+                return self._let_prefill_go(f"failed ({type(exc).__name__})")
             reason, detail = failure_of("prefill", exc)
             return AttemptFailed(reason, True, self.prefill, 502, "prefill", detail)
         if task.result().finish_reason == MOVED_STOP:

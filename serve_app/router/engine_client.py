@@ -117,6 +117,8 @@ class EngineClient:
                         yield message
                 if reader.pending:
                     raise EngineUnreachable(f"the engine's answer ended inside a frame ({reader.pending} bytes)")
+        except EngineUnreachable:  # ours, raised above: an OSError too, kept as it says
+            raise
         except aiohttp.ClientError as exc:
             raise EngineUnreachable(f"the engine's endpoint could not be reached ({transport_reason(exc)})") from None
         except asyncio.TimeoutError as exc:  # aiohttp's connect timeout

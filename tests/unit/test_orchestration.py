@@ -404,6 +404,138 @@ def test_closing_an_attempt_cancels_a_prefill_call_whose_task_never_ran():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("how", ["outlives prefill_s", "engine leaves", "call fails"])
+def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_go_on(how):
+    """Tokens from the decode engine mean the prompt's KV is whole there: a prefill call that then
+    outlives its deadline, whose engine starts leaving, or that fails (only its acknowledgements
+    were left) is let go (cancelled, its lease released) and the stream decodes on, instead of
+    the attempt ending with a healthy stream's KV thrown away."""
+    from serve_app.config.settings import TimeoutsConfig
+    from serve_app.router.balancer import EngineLoad
+    from serve_app.router.cdcp import AttemptFailed, AttemptRun, DeltaEvent
+    from serve_app.router.pool import EnginePool, Member
+    from serve_app.router.recompute import AttemptPlan
+    from serve_app.wire.protocol import KVEndpoint, TokenDelta
+
+    class Call:
+        cancelled = False
+
+        def __await__(self):
+            return self._answer().__await__()
+
+        async def _answer(self):
+            if how == "call fails":
+                await asyncio.sleep(0.2)
+                raise ConnectionError("the prefill engine went away")
+            await asyncio.Event().wait()  # never answers
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    class Stream:
+        cancelled = False
+
+        def __init__(self) -> None:
+            kv = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "request_id": "r-1"}
+            self.items = [KVReady(kv)] + [TokenDelta([i]) for i in range(29)] + [TokenDelta([29], finish_reason="length")]
+
+        async def __anext__(self):
+            item = self.items.pop(0)
+            if not isinstance(item, KVReady):
+                await asyncio.sleep(0.02)
+            return item
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def main() -> None:
+        pool = EnginePool({})
+        pool.loads["prefill-0"] = EngineLoad(name="prefill-0", role="prefill", healthy=True)
+        pool.members["prefill-0"] = Member("prefill-0", "prefill", None, None)
+        pool.members["decode-0"] = Member("decode-0", "decode", None, None, kv_endpoint=KVEndpoint(engine_id="e", host="h", port=1))
+        metrics = SimpleNamespace(kv_ready=SimpleNamespace(observe=lambda *a: None), prefill=SimpleNamespace(observe=lambda *a: None))
+        executor = SimpleNamespace(pool=pool, timeouts=TimeoutsConfig(prefill_s=0.3), metrics=metrics, kv_ready_checks=frozenset())
+
+        async def pick(role: str, *args: Any, **kwargs: Any) -> EngineLoad:
+            return pool.loads["prefill-0"]
+
+        executor.pick = pick
+        call, stream = Call(), Stream()
+        attempt = AttemptRun(executor, AttemptPlan("r-1", 1, PROMPT, 30, True), "decode-0", stream, request_deadline=time.monotonic() + 60)
+        tokens, failed = [], []
+        with mock.patch.object(pool, "start_prefill", return_value=call):
+            if how == "engine leaves":
+                asyncio.get_running_loop().call_later(0.1, pool.drain, "prefill-0")
+            try:
+                with mock.patch("serve_app.router.cdcp.PREFILL_LEAVING_GRACE_S", 0.1):
+                    async for event in attempt.events():
+                        tokens += event.delta.token_ids if isinstance(event, DeltaEvent) else []
+                        failed += [event] if isinstance(event, AttemptFailed) else []
+            finally:
+                await attempt.close()
+        assert tokens == list(range(30)) and not failed and attempt.phase.value == "decoding", (tokens, failed)
+        assert how == "call fails" or call.cancelled
+        assert pool.loads.get("prefill-0") is None or pool.loads["prefill-0"].inflight == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("grace_s", "kind"), [(0.05, "moved"), (5.0, "timeout")])
+def test_a_prefill_engine_that_leaves_during_its_call_is_a_move_only_if_its_grace_ends_first(grace_s, kind):
+    """A leaving prefill engine's call gets a grace; if ``prefill_s`` runs out first, the attempt
+    timed out (counted against max_attempts), it was not moved."""
+    from serve_app.config.settings import TimeoutsConfig
+    from serve_app.router.balancer import EngineLoad
+    from serve_app.router.cdcp import AttemptFailed, AttemptRun
+    from serve_app.router.pool import EnginePool, Member
+    from serve_app.router.recompute import AttemptPlan
+    from serve_app.wire.protocol import KVEndpoint
+
+    class Call:
+        def __await__(self):
+            return asyncio.Event().wait().__await__()  # never answers
+
+        def cancel(self) -> None:
+            pass
+
+    class Stream:
+        sent = False
+
+        async def __anext__(self):
+            if not self.sent:
+                self.sent = True
+                return KVReady({"remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "request_id": "r-1"})
+            await asyncio.Event().wait()  # no token: the prefill call is what the attempt waits for
+
+        def cancel(self) -> None:
+            pass
+
+    async def main() -> AttemptFailed:
+        pool = EnginePool({})
+        pool.loads["prefill-0"] = EngineLoad(name="prefill-0", role="prefill", healthy=True)
+        pool.members["prefill-0"] = Member("prefill-0", "prefill", None, None)
+        pool.members["decode-0"] = Member("decode-0", "decode", None, None, kv_endpoint=KVEndpoint(engine_id="e", host="h", port=1))
+        metrics = SimpleNamespace(kv_ready=SimpleNamespace(observe=lambda *a: None), prefill=SimpleNamespace(observe=lambda *a: None))
+        executor = SimpleNamespace(pool=pool, timeouts=TimeoutsConfig(prefill_s=0.4), metrics=metrics, kv_ready_checks=frozenset())
+
+        async def pick(role: str, *args: Any, **kwargs: Any) -> EngineLoad:
+            return pool.loads["prefill-0"]
+
+        executor.pick = pick
+        attempt = AttemptRun(executor, AttemptPlan("r-1", 1, PROMPT, 4, True), "decode-0", Stream(), request_deadline=time.monotonic() + 60)
+        grace = mock.patch("serve_app.router.cdcp.PREFILL_LEAVING_GRACE_S", grace_s)
+        with mock.patch.object(pool, "start_prefill", return_value=Call()), grace:
+            asyncio.get_running_loop().call_later(0.1, pool.drain, "prefill-0")
+            try:
+                events = [event async for event in attempt.events()]
+            finally:
+                await attempt.close()
+        return events[-1]
+
+    failed = asyncio.run(main())
+    assert isinstance(failed, AttemptFailed) and failed.kind == kind, failed
+
+
 def test_waiting_for_a_prefill_engine_ends_at_the_deadline_given_or_when_told_to_give_up():
     """After KVReady with no prefill engine healthy, the wait for one is bounded by what is left
     of the attempt's deadlines, and ends as soon as its decode engine starts leaving."""
