@@ -567,6 +567,27 @@ def test_waiting_for_a_prefill_engine_ends_at_the_deadline_given_or_when_told_to
     asyncio.run(main())
 
 
+def test_waiting_for_an_engine_is_not_held_past_its_deadline_by_a_hung_stats_poll():
+    from serve_app.config.settings import TimeoutsConfig
+    from serve_app.router.balancer import EngineLoad
+    from serve_app.router.cdcp import AttemptExecutor
+    from serve_app.router.pool import EnginePool
+
+    async def hung_poll(*args: Any) -> None:
+        await asyncio.sleep(10)  # an engine whose stats do not answer: the poll's own timeout is longer
+
+    async def main() -> float:
+        pool = EnginePool({})
+        pool.loads["prefill-0"] = EngineLoad(name="prefill-0", role="prefill", healthy=False)
+        executor = AttemptExecutor(pool, TimeoutsConfig(kv_ready_s=30.0), recording_router_metrics())
+        with mock.patch.object(pool, "refresh", hung_poll):
+            started = time.monotonic()
+            assert await executor.pick("prefill", frozenset(), wait_s=0.3) is None
+            return time.monotonic() - started
+
+    assert asyncio.run(main()) < 4  # 0.3 s asked for; the poll alone would hold it 10 s
+
+
 def test_closing_an_attempt_keeps_the_callers_own_cancellation():
     """A client's cancellation that lands while ``close`` waits for the attempt's cancelled read
     still reaches the caller (which would otherwise go on to its next attempt for nobody), and
