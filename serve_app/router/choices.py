@@ -145,7 +145,12 @@ class ChoicesSession:
         if i % n == 0:
             return
         await self._first_token[i // n].wait()
-        self.sessions[i].machine.prompt_logprobs = self.sessions[i - i % n].machine.prompt_logprobs
+        first = self.sessions[i - i % n].machine
+        if first.error is not None:
+            # The first sample failed, and with it the response: this one starts no engine request
+            # and waits to be stopped, as every choice is once that error reaches the response.
+            await asyncio.get_running_loop().create_future()
+        self.sessions[i].machine.prompt_logprobs = first.prompt_logprobs
 
     # ------------------------------------------------------------------ metrics
     def observe_times(self) -> None:

@@ -1488,3 +1488,20 @@ def test_an_engine_replica_whose_call_endpoint_or_relay_stopped_fails_its_health
                 await engine.check_health()
 
     run(body, args(router={"engine_transport": "http"}), tiny_tokenizer)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_when_a_prompts_first_sample_fails_its_other_samples_start_nothing(tiny_tokenizer, stream):
+    """n > 1: the other samples wait for the first one's first token; when it fails instead, the
+    response fails with it, and they must not pick an engine and open a stream meanwhile."""
+
+    async def body(app: App) -> None:
+        for name in app.faults:
+            if name.startswith("decode"):
+                app.faults[name].dead = True
+        status, data = await completion(app, PROMPT, max_tokens=4, n=2, stream=stream)
+        await asyncio.sleep(0.2)
+        assert status != 200 or "error" in json.dumps(data)
+        assert handle_calls(app) == ["generate"], handle_calls(app)  # the first sample's one attempt only
+
+    run(body, args(router={"mode": "colocated", "max_attempts": 1}), tiny_tokenizer)
