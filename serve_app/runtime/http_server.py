@@ -39,12 +39,18 @@ PROTOCOL_SYMBOLS = {
             "shutdown",
             "transport",
             "cycle",
+            "connections",
         )
     ),
     "H11Protocol": tuple(
-        f"{_H11}.{name}" for name in ("connection_made", "data_received", "connection_lost", "shutdown", "transport", "conn", "cycle")
+        f"{_H11}.{name}"
+        for name in ("connection_made", "data_received", "connection_lost", "shutdown", "transport", "conn", "cycle", "connections")
     ),
 }
+# A connection waiting for its header this long is a candidate for closing when too many wait
+# (``max_pending``): younger ones may just not have been read yet (a burst, accepted in one turn
+# of the loop), and those uvicorn's own limit answers with a 503 as before.
+PENDING_MIN_AGE_S = 1.0
 SERVER_SHUTDOWN = "uvicorn.server.Server.shutdown"  # calls each connection's ``shutdown``
 CAPTURE_SIGNALS = "uvicorn.server.Server.capture_signals"
 
@@ -145,10 +151,11 @@ def coalescing_http_protocol(
       between kept-alive requests: a client that sends half a header, a byte at a time, would
       hold its connection and its place in ``limit_concurrency`` forever;
     * at most ``max_pending`` connections of the server wait for their request's header at once:
-      past it, the one that has waited longest is closed. A peer that opens connections and
-      sends nothing (no token needed) would otherwise fill ``limit_concurrency`` within the
-      header deadline, again and again, and uvicorn then answers every request 503, those on
-      the routers' kept-alive connections too; a real client sends its header as it connects;
+      past it, those that have waited longest (at least ``PENDING_MIN_AGE_S``) are closed. A peer
+      that opens connections and sends nothing (no token needed) would otherwise fill
+      ``limit_concurrency`` within the header deadline, again and again, and uvicorn then answers
+      every request 503, those on the routers' kept-alive connections too; a real client sends
+      its header as it connects;
     * with httptools, a header larger than ``max_header_bytes`` is answered 431 and the
       connection closed (h11 has its own bound, ``h11_max_incomplete_event_size``). Bytes are
       counted per read from a connection's first read, or from the read after the one in which a
@@ -168,7 +175,7 @@ def coalescing_http_protocol(
 
     class CoalescingHttpProtocol(base):  # type: ignore[valid-type, misc]
         # This server's connections waiting for a request header, longest-waiting first.
-        _pending: OrderedDict[Any, None] = OrderedDict()
+        _pending: OrderedDict[Any, float] = OrderedDict()  # -> when it began waiting (loop time)
         _header_deadline: asyncio.TimerHandle | None = None
         _in_header = False
         _header_bytes = 0
@@ -180,6 +187,10 @@ def coalescing_http_protocol(
             self._header_begun()
 
         def data_received(self, data: bytes) -> None:
+            if h11_based and not self._in_header and self._between_requests():
+                # A kept-alive connection's next request begins: in line before h11 reads it (and
+                # uvicorn checks its limit), as httptools' on_message_begin puts it.
+                self._header_begun()
             if self._in_header and not h11_based:
                 # Count the header's own bytes only: a read that ends the header also carries the
                 # start of the body. The end is the first blank line (its CRLFs may straddle reads).
@@ -223,6 +234,11 @@ def coalescing_http_protocol(
             self._header_done()
             super().connection_lost(exc)
 
+        def _between_requests(self) -> bool:
+            import h11
+
+            return self.conn.their_state is h11.IDLE
+
         def _follow_h11_state(self) -> None:
             import h11
 
@@ -252,10 +268,20 @@ def coalescing_http_protocol(
 
         def _wait_in_line(self) -> None:
             pending = self._pending
-            pending[self] = None
-            if max_pending is not None and len(pending) > max_pending:
-                oldest, _ = pending.popitem(last=False)
-                oldest._header_expired()
+            now = asyncio.get_running_loop().time()
+            pending[self] = now
+            if max_pending is None:
+                return
+            while len(pending) > max_pending:
+                oldest, since = next(iter(pending.items()))
+                if now - since < PENDING_MIN_AGE_S:
+                    break
+                oldest._header_done()
+                # Out of uvicorn's count at once, not when the loop gets to its connection_lost:
+                # the request that made room is checked against that count in this same turn.
+                oldest.connections.discard(oldest)
+                if not oldest.transport.is_closing():
+                    oldest.transport.close()
 
         def _start_header_deadline(self) -> None:
             if header_timeout_s is not None and self._header_deadline is None:

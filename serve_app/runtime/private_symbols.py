@@ -119,6 +119,24 @@ def _cycle(module: str, cls: str, created_in: str) -> Symbol:
     )
 
 
+def _connections(module: str, cls: str) -> Symbol:
+    """The server's set of open connections, which uvicorn's ``limit_concurrency`` counts: a
+    connection closed for waiting too long leaves it at once."""
+    return Symbol(
+        module,
+        f"{cls}.connections",
+        "uvicorn",
+        READ,
+        "serve_app/runtime/http_server.py",
+        BOTH,
+        kind=INSTANCE_ATTRIBUTE,
+        source_has=(
+            (f"{cls}.__init__", "self.connections = server_state.connections"),
+            (f"{cls}.connection_lost", "self.connections.discard(self)"),
+        ),
+    )
+
+
 def _transport(module: str, cls: str) -> Symbol:
     return Symbol(
         module,
@@ -566,12 +584,14 @@ _ENTRIES: tuple[Symbol, ...] = (
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_headers_complete", "(self)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "shutdown", "(self)"),
     _transport(_HTTPTOOLS, "HttpToolsProtocol"),
+    _connections(_HTTPTOOLS, "HttpToolsProtocol"),
     _cycle(_HTTPTOOLS, "HttpToolsProtocol", "on_headers_complete"),
     _protocol_method(_H11, "H11Protocol", "connection_made", "(self, transport)"),
     _protocol_method(_H11, "H11Protocol", "data_received", "(self, data)"),
     _protocol_method(_H11, "H11Protocol", "connection_lost", "(self, exc)"),
     _protocol_method(_H11, "H11Protocol", "shutdown", "(self)"),
     _transport(_H11, "H11Protocol"),
+    _connections(_H11, "H11Protocol"),
     _cycle(_H11, "H11Protocol", "handle_events"),
     Symbol(
         _H11,
