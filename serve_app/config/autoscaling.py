@@ -99,7 +99,7 @@ def positive_finite(**targets: float) -> None:
     """A policy's targets must be numbers above 0: a NaN (JSON allows one) would have every
     decision fail in Serve's controller, an infinity would keep the pool at its minimum."""
     for name, value in targets.items():
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name} must be a finite number above 0, not {value!r}")
 
 
@@ -209,12 +209,14 @@ class SLOPolicy:
         target = int(getattr(ctx, "target_num_replicas", current) or current)
         if desired > current and (current < target or now - state["slo_since"] < _settle_s(ctx)):
             # Replicas still starting, or a p90 that still covers the time before the pool grew
-            # (its window, then Serve's look-back): the same ratio again would multiply the pool
-            # it already grew. Hold at what was asked until the pool's own p90 is in.
+            # (its window, then the age of the latest report): the same ratio again would
+            # multiply the pool it already grew. Hold at what was asked until the pool's own p90 is in.
             desired = float(max(current, target))
         return desired, state
 
 
 def _settle_s(ctx: Any) -> float:
-    look_back = getattr(getattr(ctx, "config", None), "look_back_period_s", None)
-    return LATENCY_WINDOW_S + float(look_back or 0.0)
+    """How long after the pool changed a replica's latest p90 may still cover the pool before:
+    its window, and how old that report can be (Serve's metrics interval)."""
+    interval = getattr(getattr(ctx, "config", None), "metrics_interval_s", None)
+    return LATENCY_WINDOW_S + float(interval or 0.0)

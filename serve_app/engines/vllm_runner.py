@@ -128,6 +128,8 @@ class VLLMRunner:
             for name, value in (("reasoning_ended", request.reasoning_ended), ("reasoning_parser_kwargs", request.reasoning_parser_kwargs))
             if value is not None
         }
+        if self.llm is None:
+            raise RuntimeError(f"{self.name}: the engine has stopped")
         outputs = self.llm.generate(prompt, params, request.request_id, priority=request.priority, **reasoning)
         try:
             # Closing the engine's stream (however this one ends) aborts the request in vLLM.

@@ -197,6 +197,13 @@ class Router:
     async def engine_snapshot(self, refresh: bool = True) -> dict[str, Any]:
         return await self.service.engine_snapshot(refresh)
 
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose own HTTP server has exited serves nothing on its
+        port, and with one router replica the app is down while Serve counts it healthy."""
+        http = getattr(self, "http", None)
+        if http is not None and not http.serving and not getattr(self, "stopping", False):
+            raise RuntimeError("the router's HTTP server stopped serving")
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Client requests in progress on this replica: over its own HTTP server too, which
         Serve's default signal does not see (serve_app/config/autoscaling.py)."""
@@ -212,6 +219,7 @@ class Router:
         if it is one (Ray Serve 2.60 calls it and drops what it returns otherwise), and then
         reports the replica stopped, which the controller kills with its responses cut."""
         http = getattr(self, "http", None)
+        self.stopping = True  # its server closes now: not a failed health check
         if http is not None:
             drain_s = self.service.config.router.graceful_shutdown_timeout_s - ROUTER_SHUTDOWN_MARGIN_S
             await http.stop(timeout_s=max(0.0, drain_s))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import uuid
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -52,7 +53,9 @@ class EngineRequestRouter(RequestRouter):
         # not the one the router's pool reads.
         from serve_app.router.membership import MEMBERSHIP
 
-        MEMBERSHIP.publish(deployment.app_name, deployment.name, infos, publisher=f"{id(self):x}")
+        # Named once per request router (an id() could be a collected one's again).
+        publisher = self.__dict__.setdefault("_pd_serve_publisher", uuid.uuid4().hex)
+        MEMBERSHIP.publish(deployment.app_name, deployment.name, infos, publisher=publisher)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 ENTRY_POINT_GROUP = "vllm.general_plugins"
-# Every plug-in pd-serve installs (pyproject.toml; tests/unit/test_layers.py holds them equal).
+# Every plug-in pd-serve installs (pyproject.toml; tests/unit/test_backends.py holds them equal).
 ENTRY_POINTS = (
     "pd_serve_parent_watchdog",
     "pd_serve_quick_exit",

@@ -80,7 +80,7 @@ def test_requests_are_sent_one_at_a_time_or_from_that_many_clients_back_to_back(
         await response.prepare(request)
         rid = f"cmpl-{seen['requests']}"
         for text in ("", "a"):  # a first token whose text is not complete yet, then one that is
-            await asyncio.sleep(0.1 if text else 0.0)
+            await asyncio.sleep(0.25 if text else 0.0)
             seen[rid, text] = time.time()
             await response.write(f"data: {json.dumps({'id': rid, 'choices': [{'text': text}]})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")

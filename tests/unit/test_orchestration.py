@@ -443,6 +443,8 @@ def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_
             item = self.items.pop(0)
             if not isinstance(item, KVReady):
                 await asyncio.sleep(0.02)
+            if how == "engine leaves" and isinstance(item, TokenDelta) and item.token_ids == [3]:  # tokens flow: its engine leaves
+                asyncio.get_running_loop().call_soon(self.pool.drain, "prefill-0")
             return item
 
         def cancel(self) -> None:
@@ -461,11 +463,10 @@ def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_
 
         executor.pick = pick
         call, stream = Call(), Stream()
+        stream.pool = pool
         attempt = AttemptRun(executor, AttemptPlan("r-1", 1, PROMPT, 30, True), "decode-0", stream, request_deadline=time.monotonic() + 60)
         tokens, failed = [], []
         with mock.patch.object(pool, "start_prefill", return_value=call):
-            if how == "engine leaves":
-                asyncio.get_running_loop().call_later(0.1, pool.drain, "prefill-0")
             try:
                 with mock.patch("serve_app.router.cdcp.PREFILL_LEAVING_GRACE_S", 0.1):
                     async for event in attempt.events():
@@ -524,8 +525,12 @@ def test_a_prefill_engine_that_leaves_during_its_call_is_a_move_only_if_its_grac
         executor.pick = pick
         attempt = AttemptRun(executor, AttemptPlan("r-1", 1, PROMPT, 4, True), "decode-0", Stream(), request_deadline=time.monotonic() + 60)
         grace = mock.patch("serve_app.router.cdcp.PREFILL_LEAVING_GRACE_S", grace_s)
-        with mock.patch.object(pool, "start_prefill", return_value=Call()), grace:
-            asyncio.get_running_loop().call_later(0.1, pool.drain, "prefill-0")
+
+        def start_prefill(*args: Any, **kwargs: Any) -> Call:
+            asyncio.get_running_loop().call_soon(pool.drain, "prefill-0")  # it leaves as its call starts
+            return Call()
+
+        with mock.patch.object(pool, "start_prefill", side_effect=start_prefill), grace:
             try:
                 events = [event async for event in attempt.events()]
             finally:
@@ -1505,3 +1510,19 @@ def test_when_a_prompts_first_sample_fails_its_other_samples_start_nothing(tiny_
         assert handle_calls(app) == ["generate"], handle_calls(app)  # the first sample's one attempt only
 
     run(body, args(router={"mode": "colocated", "max_attempts": 1}), tiny_tokenizer)
+
+
+def test_a_router_replica_whose_http_server_stopped_fails_its_health_check():
+    """Serve restarts a replica whose health check fails: a router whose own HTTP server has
+    exited serves nothing on its port (with one replica, the app is down) but looked healthy.
+    Stopping (its destructor closes the server) is not a failure."""
+    from serve_app.router.deployment import Router
+
+    replica = SimpleNamespace(http=SimpleNamespace(serving=True))
+    Router.func_or_class.check_health(replica)
+    replica.http.serving = False
+    with pytest.raises(RuntimeError, match="HTTP server"):
+        Router.func_or_class.check_health(replica)
+    replica.stopping = True
+    Router.func_or_class.check_health(replica)
+    Router.func_or_class.check_health(SimpleNamespace(http=None))  # served through Serve's proxy only

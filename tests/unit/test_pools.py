@@ -92,8 +92,9 @@ def test_the_slo_policy_reads_each_replicas_latest_p90_not_serves_average_over_i
 
 
 def test_the_slo_policy_does_not_compound_a_ratio_measured_before_its_last_scale_up():
-    """The p90 covers the last LATENCY_WINDOW_S (then Serve's look-back): while new replicas
-    start, and for that long after they run, it still describes the smaller pool, and
+    """The p90 covers the last LATENCY_WINDOW_S (then the age of the latest report, at most
+    Serve's metrics interval): while new replicas start, and for that long after they run, it
+    still describes the smaller pool, and
     multiplying the grown pool by it again would double it on every decision (2, 4, 8, ...)."""
     decode = autoscaling.SLOPolicy(itl_p90_s=0.05)
     slow = {autoscaling.ITL_P90: [0.1, 0.1]}
@@ -102,7 +103,7 @@ def test_the_slo_policy_does_not_compound_a_ratio_measured_before_its_last_scale
     def decide(current: int, target: int, now: float, metrics: dict = slow) -> float:
         nonlocal state
         c = ctx(metrics, current=current, target=target)
-        c.policy_state, c.current_time, c.config = state, now, SimpleNamespace(look_back_period_s=10.0)
+        c.policy_state, c.current_time, c.config = state, now, SimpleNamespace(metrics_interval_s=10.0, look_back_period_s=30.0)
         desired, state = decode(c)
         return desired
 
