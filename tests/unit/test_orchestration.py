@@ -404,18 +404,37 @@ def test_closing_an_attempt_cancels_a_prefill_call_whose_task_never_ran():
     asyncio.run(main())
 
 
+def one_decode_one_prefill(prefill_s: float) -> tuple[Any, SimpleNamespace]:
+    """A pool of decode-0 (its KV endpoint known, for KVReady's check) and prefill-0, and the
+    part of an ``AttemptExecutor`` an ``AttemptRun`` reads, picking prefill-0 at once."""
+    from serve_app.config.settings import TimeoutsConfig
+    from serve_app.router.balancer import EngineLoad
+    from serve_app.router.pool import EnginePool, Member
+    from serve_app.wire.protocol import KVEndpoint
+
+    pool = EnginePool({})
+    pool.loads["prefill-0"] = EngineLoad(name="prefill-0", role="prefill", healthy=True)
+    pool.members["prefill-0"] = Member("prefill-0", "prefill", None, None)
+    pool.members["decode-0"] = Member("decode-0", "decode", None, None, kv_endpoint=KVEndpoint(engine_id="e", host="h", port=1))
+    metrics = SimpleNamespace(kv_ready=SimpleNamespace(observe=lambda *a: None), prefill=SimpleNamespace(observe=lambda *a: None))
+    executor = SimpleNamespace(pool=pool, timeouts=TimeoutsConfig(prefill_s=prefill_s), metrics=metrics, kv_ready_checks=frozenset())
+
+    async def pick(role: str, *args: Any, **kwargs: Any) -> EngineLoad:
+        return pool.loads["prefill-0"]
+
+    executor.pick = pick
+    return pool, executor
+
+
 @pytest.mark.parametrize("how", ["outlives prefill_s", "engine leaves", "call fails"])
 def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_go_on(how):
     """Tokens from the decode engine mean the prompt's KV is whole there: a prefill call that then
     outlives its deadline, whose engine starts leaving, or that fails (only its acknowledgements
     were left) is let go (cancelled, its lease released) and the stream decodes on, instead of
     the attempt ending with a healthy stream's KV thrown away."""
-    from serve_app.config.settings import TimeoutsConfig
-    from serve_app.router.balancer import EngineLoad
     from serve_app.router.cdcp import AttemptFailed, AttemptRun, DeltaEvent
-    from serve_app.router.pool import EnginePool, Member
     from serve_app.router.recompute import AttemptPlan
-    from serve_app.wire.protocol import KVEndpoint, TokenDelta
+    from serve_app.wire.protocol import TokenDelta
 
     class Call:
         cancelled = False
@@ -451,17 +470,7 @@ def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_
             self.cancelled = True
 
     async def main() -> None:
-        pool = EnginePool({})
-        pool.loads["prefill-0"] = EngineLoad(name="prefill-0", role="prefill", healthy=True)
-        pool.members["prefill-0"] = Member("prefill-0", "prefill", None, None)
-        pool.members["decode-0"] = Member("decode-0", "decode", None, None, kv_endpoint=KVEndpoint(engine_id="e", host="h", port=1))
-        metrics = SimpleNamespace(kv_ready=SimpleNamespace(observe=lambda *a: None), prefill=SimpleNamespace(observe=lambda *a: None))
-        executor = SimpleNamespace(pool=pool, timeouts=TimeoutsConfig(prefill_s=0.3), metrics=metrics, kv_ready_checks=frozenset())
-
-        async def pick(role: str, *args: Any, **kwargs: Any) -> EngineLoad:
-            return pool.loads["prefill-0"]
-
-        executor.pick = pick
+        pool, executor = one_decode_one_prefill(prefill_s=0.3)
         call, stream = Call(), Stream()
         stream.pool = pool
         attempt = AttemptRun(executor, AttemptPlan("r-1", 1, PROMPT, 30, True), "decode-0", stream, request_deadline=time.monotonic() + 60)
@@ -485,12 +494,8 @@ def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_
 def test_a_prefill_engine_that_leaves_during_its_call_is_a_move_only_if_its_grace_ends_first(grace_s, kind):
     """A leaving prefill engine's call gets a grace; if ``prefill_s`` runs out first, the attempt
     timed out (counted against max_attempts), it was not moved."""
-    from serve_app.config.settings import TimeoutsConfig
-    from serve_app.router.balancer import EngineLoad
     from serve_app.router.cdcp import AttemptFailed, AttemptRun
-    from serve_app.router.pool import EnginePool, Member
     from serve_app.router.recompute import AttemptPlan
-    from serve_app.wire.protocol import KVEndpoint
 
     class Call:
         def __await__(self):
@@ -512,17 +517,7 @@ def test_a_prefill_engine_that_leaves_during_its_call_is_a_move_only_if_its_grac
             pass
 
     async def main() -> AttemptFailed:
-        pool = EnginePool({})
-        pool.loads["prefill-0"] = EngineLoad(name="prefill-0", role="prefill", healthy=True)
-        pool.members["prefill-0"] = Member("prefill-0", "prefill", None, None)
-        pool.members["decode-0"] = Member("decode-0", "decode", None, None, kv_endpoint=KVEndpoint(engine_id="e", host="h", port=1))
-        metrics = SimpleNamespace(kv_ready=SimpleNamespace(observe=lambda *a: None), prefill=SimpleNamespace(observe=lambda *a: None))
-        executor = SimpleNamespace(pool=pool, timeouts=TimeoutsConfig(prefill_s=0.4), metrics=metrics, kv_ready_checks=frozenset())
-
-        async def pick(role: str, *args: Any, **kwargs: Any) -> EngineLoad:
-            return pool.loads["prefill-0"]
-
-        executor.pick = pick
+        pool, executor = one_decode_one_prefill(prefill_s=0.4)
         attempt = AttemptRun(executor, AttemptPlan("r-1", 1, PROMPT, 4, True), "decode-0", Stream(), request_deadline=time.monotonic() + 60)
         grace = mock.patch("serve_app.router.cdcp.PREFILL_LEAVING_GRACE_S", grace_s)
 
