@@ -459,8 +459,11 @@ class AppConfig(_Strict):
             group: EngineGroupConfig = getattr(self, role)
             if isinstance(group.cpu_bind, list) and len(group.cpu_bind) < group.initial_replicas:
                 raise ValueError(f"{role}.cpu_bind lists {len(group.cpu_bind)} values for {group.initial_replicas} engines")
+        from serve_app.config.autoscaling import DEFAULT_POLICY
+
         for role in ("prefill", "decode", "router"):
-            _check_own_policy(role, getattr(self, role).autoscaling_config)
+            options = getattr(self, role).serve_options(DEFAULT_POLICY[role])
+            _check_own_policy(role, options.get("autoscaling_config"))
         return self
 
     @model_validator(mode="after")
@@ -645,16 +648,16 @@ _CPU_BIND = re.compile(rf"auto|nobind|{_CPU_LIST}(\|{_CPU_LIST})*")
 
 
 def _check_own_policy(role: str, autoscaling_config: dict[str, Any] | None) -> None:
-    """pd-serve's own policies built with their ``policy_kwargs`` now, and matched to the pool's
-    role: Serve builds a policy only in its controller, where a misspelt argument fails out of
-    sight, and a latency policy reading a metric its pool does not report never scales."""
+    """pd-serve's own policies in ``autoscaling_config`` as Serve gets it (``serve_options``)
+    built with their ``policy_kwargs`` now, and matched to the pool's role: Serve builds a
+    policy only in its controller, where a misspelt argument fails out of sight, and a latency
+    policy reading a metric its pool does not report never scales."""
     from serve_app.config import autoscaling
 
     if autoscaling_config is None:
         return
     policy = autoscaling_config.get("policy") or {}
-    # No policy named: the role's default (serve_autoscaling_config), with the kwargs given.
-    name = (policy.get("policy_function") or autoscaling.DEFAULT_POLICY[role]) if isinstance(policy, dict) else None
+    name = policy.get("policy_function") if isinstance(policy, dict) else None
     # Serve takes "module:Class" and "module.Class" alike.
     spelled = str(name or "")
     module, _, cls_name = spelled.partition(":") if ":" in spelled else spelled.rpartition(".")

@@ -25,6 +25,12 @@ logger = logging.getLogger("pd_serve.engine")
 RECEIVE_RECORD_WAIT_S = 5.0
 
 
+def moved() -> TokenDelta:
+    """The answer of a stopping replica: no token, and the router resumes the attempt on another
+    decode engine (``stop_reason`` ``moved``)."""
+    return TokenDelta([], finish_reason="stop", stop_reason=MOVED)
+
+
 @serve.deployment
 class Decode(EngineServer):
     async def __init__(self, spec: EngineSpec | PoolSpec, drain_s: float = 0.0) -> None:
@@ -37,7 +43,7 @@ class Decode(EngineServer):
         self.pinned(replica)
         if self.draining:  # Serve is stopping this replica: the router resumes it on another
             # (not counted as a call: the drain's quiet second still comes while routers ask)
-            yield TokenDelta([], finish_reason="stop", stop_reason=MOVED)
+            yield moved()
             return
         self.calls_started = time.monotonic()
         last: float | None = None
@@ -47,7 +53,7 @@ class Decode(EngineServer):
                 if isinstance(event, KVReady) and self.draining:
                     # Stopping while the request waited for its KV: "moved" now, before a prefill
                     # engine computes and pushes a prompt this engine would cut at its first token.
-                    yield TokenDelta([], finish_reason="stop", stop_reason=MOVED)
+                    yield moved()
                     return
                 if isinstance(event, TokenDelta):
                     # The gap between this stream's outputs per token it brought: the autoscaler's

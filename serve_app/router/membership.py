@@ -11,9 +11,9 @@ endpoint), and Serve hands that to every router along with the replica, so a new
 callable as soon as the router sees it, without a poll.
 
 Costs: Serve sends a deployment's whole list on each change, to each router replica, so a change
-in a pool of N replicas costs each of R router replicas O(N) here (a set difference) and Serve's
+in a pool of N replicas costs each of R router replicas O(N) here (set lookups) and Serve's
 controller R messages of N replicas each, O(N x R) in all; between changes nothing is sent.
-tests/unit/test_pools.py runs the diffs with fakes at 100 replicas per pool.
+tests/unit/test_pools.py runs such changes with fakes at 100 replicas per pool.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from serve_app.wire.protocol import EngineCallEndpoint, KVEndpoint, Role
@@ -55,21 +55,6 @@ class ReplicaInfo:
             call_endpoint=EngineCallEndpoint(**call) if call else None,
             kv_endpoint=KVEndpoint(**kv) if kv else None,
         )
-
-
-@dataclass(frozen=True)
-class Change:
-    joined: list[ReplicaInfo] = field(default_factory=list)
-    left: list[str] = field(default_factory=list)  # replica ids
-
-    def __bool__(self) -> bool:
-        return bool(self.joined or self.left)
-
-
-def diff(known: Mapping[str, ReplicaInfo], running: Iterable[ReplicaInfo]) -> Change:
-    """What changed between the replicas ``known`` (by id) and the ``running`` list Serve sent."""
-    now = {r.replica_id: r for r in running}
-    return Change(joined=[r for rid, r in now.items() if rid not in known], left=[rid for rid in known if rid not in now])
 
 
 # Called with a list and its publisher (one of the process's request routers for the deployment).

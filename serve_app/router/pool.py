@@ -32,7 +32,7 @@ from typing import Any
 from serve_app.router.balancer import EngineLoad, ScoreFn, candidates, decode_score, prefill_score, select
 from serve_app.router.engine_client import EngineClient
 from serve_app.router.leak_audit import LeakAudit
-from serve_app.router.membership import ReplicaInfo, diff
+from serve_app.router.membership import ReplicaInfo
 from serve_app.router.prefix_index import PrefixIndex, RecentWork, chain_keys, choose, engine_salt
 from serve_app.wire.protocol import EngineCallEndpoint, EngineRequest, EngineStats, KVEndpoint, Role
 
@@ -142,9 +142,9 @@ class EnginePool:
         self._listed[(role, publisher)] = listed
         for replica_id in before - listed:
             self.leave(replica_id)
-        known = {rid: ReplicaInfo(replica_id=rid, role=r, name=name) for rid, (name, r) in self._by_replica.items() if r == role}
-        for info in diff(known, [r for r in running if r.role == role and r.replica_id not in self._gone]).joined:
-            self.join(info)
+        for info in running:
+            if info.role == role and info.replica_id not in self._by_replica and info.replica_id not in self._gone:
+                self.join(info)
 
     def join(self, info: ReplicaInfo) -> str:
         handle, stream_handle, stats_handle = self._pool_handles[info.role]
