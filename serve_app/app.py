@@ -19,7 +19,7 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app.config.autoscaling import DEFAULT_POLICY
-from serve_app.config.backends import BACKENDS, environment_problems, pool_spec, replica_spec, replicas_keep_off
+from serve_app.config.backends import BACKENDS, environment_problems, pool_spec, replica_spec, replicas_keep_off, router_env
 from serve_app.config.settings import ConfigError, load_config
 
 logger = logging.getLogger("pd_serve.app")
@@ -148,6 +148,6 @@ def build_app_with(args: dict[str, Any] | None, plugins: Plugins) -> Application
         ray_actor_options={
             "num_cpus": router.num_cpus,
             "resources": dict(router.resources),
-            "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **BACKENDS[config.backend].router_env}},
+            "runtime_env": {"env_vars": {**SERVE_REPLICA_ENV, **router_env(config)}},
         },
     ).bind(config_data, engines, cores)

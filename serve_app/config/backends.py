@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from serve_app.config.settings import DEFAULT_ITEMS_PER_S, AppConfig, EngineGroupConfig
-from serve_app.runtime.cpu_placement import engines_cpus
+from serve_app.runtime.cpu_placement import engines_cpus, usable_cores
 from serve_app.vllm_plugins.core_affinity import ENV as CORE_BIND_ENV
 from serve_app.vllm_plugins.gloo_device import ENV as SHARED_GLOO_DEVICE_ENV
 from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV
@@ -57,6 +57,10 @@ class Backend:
     loopback_no_proxy: bool = False
     engine_defaults: Mapping[str, Any] = field(default_factory=dict)
     engine_env: Mapping[str, str] = field(default_factory=dict)
+    # Whether replicas of an app whose model is a local directory run with HF_HUB_OFFLINE=1
+    # (nothing to fetch; a host without a network then never waits on the hub). A model named by
+    # its hub id is left to the environment Ray's processes have.
+    offline_local_model: bool = False
     # The router replica's environment (it loads the tokenizer, never an engine).
     router_env: Mapping[str, str] = field(default_factory=dict)
     # Whether each engine's OpenMP threads are pinned to host cores (VLLM_CPU_OMP_THREADS_BIND).
@@ -98,7 +102,8 @@ CPU = Backend(
     engine_defaults={
         # Compiling costs ~30 s per engine start on this class of host and gains little here.
         "enforce_eager": True,
-        # vLLM's CPU platform would run a float32 checkpoint in bfloat16; keep the model's dtype.
+        # vLLM's CPU platform would run the tiny float32 checkpoint in bfloat16 (engine_kwargs.dtype
+        # sets another: a bfloat16 checkpoint runs upcast to float32 otherwise).
         "dtype": "float32",
         # Bounded, or the first engine takes most of the RAM and the second one fails.
         "kv_cache_memory_bytes": 256 * MiB,
@@ -106,7 +111,6 @@ CPU = Backend(
     },
     engine_env={
         "VLLM_HOST_IP": "127.0.0.1",
-        "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         ENGINE_CHILD_ENV: "1",  # the watchdog and quick-exit plug-ins act in its engine's processes
         SPIN_ENV: str(ENGINE_SPIN_S),
@@ -121,7 +125,8 @@ CPU = Backend(
         # fail to start and seeded sampling would be left out.
         "VLLM_USE_V2_MODEL_RUNNER": "0",
     },
-    router_env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+    router_env={"TOKENIZERS_PARALLELISM": "false"},
+    offline_local_model=True,
     pins_cpu_threads=True,
     push_records=True,
     kv_port_fallback=True,
@@ -172,7 +177,8 @@ MOCK = Backend(
     kv_connector="MockPush",  # not a vLLM connector: the mock engine's own stand-in for one
     kv_connector_module_path=None,
     recompute_via=None,
-    router_env={"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+    router_env={"TOKENIZERS_PARALLELISM": "false"},
+    offline_local_model=True,
     push_records=True,
     kv_port_fallback=True,
     kv_ready_checks=("engine_id", "host", "port"),
@@ -280,11 +286,17 @@ def pool_spec(config: AppConfig, role: Role, kv_connector: str | None = None) ->
 
 
 def pool_offset(config: AppConfig, role: Role) -> int:
-    """The global index of a role's rank 0: prefill engines first, then decode, after the most
-    prefill engines there can be. Used for KV port blocks and the round-robin thread binding, so
-    no two engines of the app share a port block, however the pools scale (the cpu backend also
-    replaces a busy KV port at start; Ascend's does not)."""
-    return 0 if role == "prefill" else (config.prefill.max_replicas if config.has_prefill() else 0)
+    """The global index of a role's rank 0 in the round-robin thread binding: prefill engines
+    first, then decode. Decode's comes after the most prefill engines there can be where the host
+    has a core for every engine the pools may grow to (no two ever share one); else after the
+    prefill engines the app starts with, so that those it starts with get a core each and the
+    engines added later wrap round (two pools of at most 2 on 2 cores: prefill-0 on core 0,
+    decode-0 on core 1, not both on 0)."""
+    if role == "prefill" or not config.has_prefill():
+        return 0
+    if config.prefill.max_replicas + config.decode.max_replicas <= len(usable_cores()):
+        return config.prefill.max_replicas
+    return config.prefill.initial_replicas
 
 
 def kv_port_offset(config: AppConfig, role: Role) -> int:
@@ -308,16 +320,16 @@ def replica_spec(
     replacements, so a KVReady from a replaced replica never matches its successor."""
     backend = BACKENDS[config.backend]
     group: EngineGroupConfig = getattr(config, role)
-    ncores = max(1, os.cpu_count() or 1)
+    cores = usable_cores()
     index = (pool_offset(config, role) if index_base is None else index_base) + rank
     name = f"{role}-{rank}"
     port_index = (kv_port_offset(config, role) if port_base is None else port_base) + (rank if port_slot is None else port_slot)
     kv_port = config.kv_port_base + port_index * KV_PORT_STRIDE
     if kv_port + KV_PORT_STRIDE > 65535:
         kv_port = config.kv_port_base  # a high rank: the fallback (cpu) finds a free port at start
-    env = dict(backend.engine_env)
+    env = {**backend.engine_env, **offline_env(backend, config.model)}
     if backend.pins_cpu_threads:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(group.cpu_bind, rank, index, ncores)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(group.cpu_bind, rank, index, cores)
         if env["VLLM_CPU_OMP_THREADS_BIND"] != "nobind":
             # The engine core takes turns with its workers: it runs on their cores
             # (vllm_plugins/core_affinity.py).
@@ -341,6 +353,17 @@ def replica_spec(
         notes=engine_notes(config, role),
         engines_cores=tuple(sorted(replicas_keep_off(config))),
     )
+
+
+def offline_env(backend: Backend, model: str) -> dict[str, str]:
+    """``HF_HUB_OFFLINE=1`` where ``backend`` says so and ``model`` is a directory here."""
+    return {"HF_HUB_OFFLINE": "1"} if backend.offline_local_model and os.path.isdir(model) else {}
+
+
+def router_env(config: AppConfig) -> dict[str, str]:
+    """The router replicas' environment: the backend's, and ``offline_env``."""
+    backend = BACKENDS[config.backend]
+    return {**backend.router_env, **offline_env(backend, config.model)}
 
 
 def engine_specs(config: AppConfig) -> list[EngineSpec]:
@@ -369,9 +392,9 @@ def replicas_keep_off(config: AppConfig) -> set[int]:
     envs = []
     for role in ("prefill", "decode") if config.has_prefill() else ("decode",):
         group: EngineGroupConfig = getattr(config, role)
-        ncores = max(1, os.cpu_count() or 1)
+        cores = usable_cores()
         for rank in range(group.initial_replicas):
-            env = {"VLLM_CPU_OMP_THREADS_BIND": _thread_binding(group.cpu_bind, rank, pool_offset(config, role) + rank, ncores)}
+            env = {"VLLM_CPU_OMP_THREADS_BIND": _thread_binding(group.cpu_bind, rank, pool_offset(config, role) + rank, cores)}
             env.update(group.env)
             envs.append(env)
     return engines_cpus(envs)
@@ -388,14 +411,13 @@ def _resources(config: AppConfig, backend: Backend, role: Role, group: EngineGro
     return {backend.accelerator_resource: float(_tp_size(config, role))}
 
 
-def _thread_binding(cpu_bind: str | list[str], i: int, index: int, ncores: int) -> str:
+def _thread_binding(cpu_bind: str | list[str], i: int, index: int, cores: list[int]) -> str:
     if isinstance(cpu_bind, list):
         return cpu_bind[i % len(cpu_bind)]  # ranks past the list (an autoscaled pool) wrap round it
     if cpu_bind == "nobind":
         return "nobind"
-    # "auto": one core per engine, spread round-robin over the host, so two engines never pin the
-    # same core while a free one exists.
-    return str(index % ncores)
+    # "auto": one core per engine, spread round-robin over the cores this process may use.
+    return str(cores[index % len(cores)])
 
 
 def build_engine_kwargs(config: AppConfig, backend: Backend, role: Role, *, kv_port: int, engine_id: str) -> dict[str, Any]:
@@ -406,6 +428,10 @@ def build_engine_kwargs(config: AppConfig, backend: Backend, role: Role, *, kv_p
     """
     group: EngineGroupConfig = getattr(config, role)
     kwargs: dict[str, Any] = copy.deepcopy(dict(backend.engine_defaults))
+    given = {**config.engine_kwargs, **group.engine_kwargs}
+    if "gpu_memory_utilization" in given and "kv_cache_memory_bytes" not in given:
+        # vLLM takes kv_cache_memory_bytes over gpu_memory_utilization: the operator's share wins.
+        kwargs.pop("kv_cache_memory_bytes", None)
     kwargs.update(copy.deepcopy(config.engine_kwargs))
     kwargs.update(copy.deepcopy(group.engine_kwargs))
     kwargs["model"] = config.model

@@ -52,7 +52,8 @@ class ScalingConfig(_Strict):
     @model_validator(mode="after")
     def _check_scaling(self) -> ScalingConfig:
         if self.autoscaling_config is not None:
-            serve_autoscaling_config(self.autoscaling_config, None)  # raises ValueError naming the key
+            # raises ValueError naming the key
+            serve_autoscaling_config(self.autoscaling_config, None, over_defaults=self.num_replicas == "auto")
             if isinstance(self.num_replicas, int):
                 raise ValueError("set num_replicas or autoscaling_config, not both (num_replicas: auto may go with it)")
         return self
@@ -85,17 +86,20 @@ class ScalingConfig(_Strict):
         """The deployment options Serve takes: ``num_replicas`` and ``autoscaling_config``."""
         if not self.autoscaled:
             return {"num_replicas": self.initial_replicas}
-        options: dict[str, Any] = {"autoscaling_config": serve_autoscaling_config(self.autoscaling_config or {}, default_policy)}
+        config = serve_autoscaling_config(self.autoscaling_config or {}, default_policy, over_defaults=self.num_replicas == "auto")
+        options: dict[str, Any] = {"autoscaling_config": config}
         if self.num_replicas == "auto":
             options["num_replicas"] = "auto"
         return options
 
 
-def serve_autoscaling_config(config: dict[str, Any], default_policy: str | None) -> dict[str, Any]:
+def serve_autoscaling_config(config: dict[str, Any], default_policy: str | None, over_defaults: bool = False) -> dict[str, Any]:
     """``config`` checked by Ray Serve's own ``AutoscalingConfig`` (whose unknown keys it would
     drop silently: refused here, by name), with ``default_policy`` (``module:Class``) where it
     names none (also where it gives only ``policy_kwargs``: Serve would run its own request-count
-    policy without them, which sees none of the load the engines' HTTP calls carry)."""
+    policy without them, which sees none of the load the engines' HTTP calls carry).
+    ``over_defaults``: checked as Serve reads it beside ``num_replicas: auto``, laid over
+    ``AutoscalingConfig.default()`` (``max_replicas`` 100, not 1)."""
     from pydantic import ValidationError as PydanticError
     from ray.serve.config import AutoscalingConfig
 
@@ -106,8 +110,9 @@ def serve_autoscaling_config(config: dict[str, Any], default_policy: str | None)
     policy = merged.get("policy")
     if default_policy is not None and (policy is None or (isinstance(policy, dict) and not policy.get("policy_function"))):
         merged["policy"] = {**(policy or {}), "policy_function": default_policy}
+    defaults = AutoscalingConfig.default().model_dump(exclude_unset=True) if over_defaults else {}
     try:
-        AutoscalingConfig(**merged)
+        AutoscalingConfig(**{**defaults, **merged})
     except (ImportError, AttributeError) as exc:  # Serve imports the policy to check it
         raise ValueError(f"autoscaling_config.policy: cannot import the policy: {exc}") from None
     except (PydanticError, TypeError, ValueError) as exc:
@@ -494,15 +499,24 @@ class AppConfig(_Strict):
             for key in APP_ENGINE_KWARGS & kwargs.keys():
                 raise ValueError(f"{where}.{key} is set by pd-serve itself ({APP_ENGINE_KWARGS[key]})")
         if self.has_prefill():
-            for key in KV_LAYOUT_KWARGS:
+            why = dict.fromkeys(KV_LAYOUT_KWARGS, "prefill writes its KV blocks into decode's as they are")
+            why.update(dict.fromkeys(MODEL_KWARGS, "decode continues from the KV prefill computed, so both must run one model"))
+            for key, reason in why.items():
                 prefill = self.prefill.engine_kwargs.get(key, self.engine_kwargs.get(key))
                 decode = self.decode.engine_kwargs.get(key, self.engine_kwargs.get(key))
                 if prefill != decode:
                     prefill, decode = ("unset" if v is None else repr(v) for v in (prefill, decode))
                     raise ValueError(
-                        f"prefill's and decode's {key} differ ({prefill} and {decode}): prefill writes its KV blocks "
-                        f"into decode's as they are; set {key} in engine_kwargs, for both roles"
+                        f"prefill's and decode's {key} differ ({prefill} and {decode}): {reason}; "
+                        f"set {key} in engine_kwargs, for both roles"
                     )
+        for where, kwargs in places.items():
+            dp = kwargs.get("data_parallel_size", 1)
+            if self.backend != "mock" and dp not in (1, None):
+                raise ValueError(
+                    f"{where}.data_parallel_size {dp!r}: each replica is one engine (one KV endpoint, one metaserver callback); "
+                    "scale a pool with num_replicas or autoscaling_config instead"
+                )
         for where, kwargs in places.items():
             policy = kwargs.get("scheduling_policy")
             if policy is not None and policy not in SCHEDULING_POLICIES:
@@ -516,7 +530,55 @@ class AppConfig(_Strict):
                 )
         if self.backend == "cpu":
             self._check_cpu_tensor_parallel()
+        if self.backend == "ascend":
+            self._check_ascend_parallel()
+        self._check_recompute_kept()
         return self
+
+    def _check_recompute_kept(self) -> None:
+        """With ``decode.recompute`` on, the decode engines' scheduler is the recompute one: an
+        argument that would put another in its place is refused, not left to replace it silently
+        (decode would then preempt and recompute locally, as plain vLLM)."""
+        if not self.decode.recompute:
+            return
+        kwargs = {**self.engine_kwargs, **self.decode.engine_kwargs}
+
+        def where(key: str) -> str:
+            return "decode.engine_kwargs" if key in self.decode.engine_kwargs else "engine_kwargs"
+
+        if self.backend == "cpu" and kwargs.get("scheduler_cls") is not None:
+            raise ValueError(
+                f"{where('scheduler_cls')}.scheduler_cls: decode.recompute runs decode engines on pd-serve's RecomputeScheduler; "
+                "set decode.recompute: false to run another scheduler (decode then preempts and recomputes locally)"
+            )
+        if self.backend == "ascend":
+            extra = kwargs.get("additional_config") or {}
+            chunking = extra.get("profiling_chunk_config") or {}
+            for key, on in (
+                ("SLO_limits_for_dynamic_batch", extra.get("SLO_limits_for_dynamic_batch", -1) != -1),
+                ("profiling_chunk_config.enabled", isinstance(chunking, dict) and bool(chunking.get("enabled"))),
+            ):
+                if on:
+                    raise ValueError(
+                        f"{where('additional_config')}.additional_config.{key}: vllm-ascend then runs another scheduler in place of its "
+                        "RecomputeScheduler, and decode.recompute would do nothing; set decode.recompute: false to use it"
+                    )
+
+    def _check_ascend_parallel(self) -> None:
+        """What pd-serve's Ascend backend gives an engine: ``tensor_parallel_size`` NPUs and a KV
+        port block of ``KV_PORT_STRIDE`` ports, one per rank (Mooncake listens on ``kv_port`` plus
+        the rank); pipeline and context parallelism would need more of both."""
+        from serve_app.config.backends import KV_PORT_STRIDE
+
+        for role in ("prefill", "decode") if self.has_prefill() else ("decode",):
+            group: EngineGroupConfig = getattr(self, role)
+            kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+            for key in ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"):
+                if int(kwargs.get(key, 1) or 1) != 1:
+                    raise ValueError(f"{role}: {key} {kwargs[key]}: the ascend backend runs tensor parallelism only (1 here)")
+            tp = int(kwargs.get("tensor_parallel_size", 1) or 1)
+            if tp > KV_PORT_STRIDE:
+                raise ValueError(f"{role}: tensor_parallel_size {tp}: an engine's KV port block has {KV_PORT_STRIDE} ports, one per rank")
 
     def scheduling_policy(self, role: Literal["prefill", "decode"]) -> str:
         """The role's engines' vLLM ``scheduling_policy`` (``fcfs`` unless set)."""
@@ -530,22 +592,30 @@ class AppConfig(_Strict):
         return self.scheduling_policy("decode") == "priority"
 
     def _check_cpu_tensor_parallel(self) -> None:
-        """vLLM's CPU engine runs one worker per tensor-parallel rank, each bound to the cores
-        VLLM_CPU_OMP_THREADS_BIND gives it ("0-1|2-3": one set per rank): ``cpu_bind: auto`` gives
-        an engine one core, and the engine failed at start. pd-serve's CPU connector moves one
-        rank's KV (the README's Limits)."""
+        """vLLM's CPU engine runs one worker per rank (tensor times pipeline parallel), each bound
+        to the cores VLLM_CPU_OMP_THREADS_BIND gives it ("0-1|2-3": one set per rank; vLLM asserts
+        the count at start): ``cpu_bind: auto`` gives an engine one core. pd-serve's CPU connector
+        moves one rank's KV (the README's Limits)."""
         for role in ("prefill", "decode") if self.has_prefill() else ("decode",):
             group: EngineGroupConfig = getattr(self, role)
-            tp = int({**self.engine_kwargs, **group.engine_kwargs}.get("tensor_parallel_size", 1) or 1)
-            if tp <= 1:
+            kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+            tp = int(kwargs.get("tensor_parallel_size", 1) or 1)
+            pp = int(kwargs.get("pipeline_parallel_size", 1) or 1)
+            ranks = tp * pp
+            if ranks <= 1:
                 continue
+            what = f"tensor_parallel_size {tp}" + (f" x pipeline_parallel_size {pp}" if pp > 1 else "")
             if self.has_prefill():
-                raise ValueError(f"{role}: tensor_parallel_size {tp}: the CPU backend's KV connector moves one rank's KV (1 only)")
+                raise ValueError(f"{role}: {what}: the CPU backend's KV connector moves one rank's KV (1 only)")
             if group.cpu_bind == "auto":
                 raise ValueError(
-                    f"{role}.cpu_bind 'auto' binds each engine to one core, and tensor_parallel_size {tp} needs one set of "
-                    f"cores per rank: give cpu_bind a list, one entry per engine, each with {tp} sets ('0-1|2-3')"
+                    f"{role}.cpu_bind 'auto' binds each engine to one core, and {what} needs one set of "
+                    f"cores per rank: give cpu_bind a list, one entry per engine, each with {ranks} sets ('0-1|2-3')"
                 )
+            if isinstance(group.cpu_bind, list):
+                for entry in group.cpu_bind:
+                    if entry not in ("auto", "nobind") and entry.count("|") + 1 != ranks:
+                        raise ValueError(f"{role}.cpu_bind entry {entry!r}: {what} needs {ranks} sets of cores, '|' between")
 
     def cpus_short_of(self, cluster_cpus: float) -> str | None:
         """What the cluster's ``cluster_cpus`` cannot place at every pool's ``max_replicas`` (None:
@@ -633,6 +703,29 @@ class AppConfig(_Strict):
         return name, plugin
 
     @property
+    def tokenizer_source(self) -> tuple[str, dict[str, Any]]:
+        """Where the router loads its tokenizer from, and with what, as vLLM's engines do
+        (``ModelConfig``: ``tokenizer`` else the model, ``tokenizer_revision`` else ``revision``,
+        ``trust_remote_code``): the router tokenizes every prompt and detokenizes every token."""
+        kwargs = {**self.engine_kwargs, **self.decode.engine_kwargs}
+        options: dict[str, Any] = {"trust_remote_code": bool(kwargs.get("trust_remote_code", False))}
+        revision = kwargs.get("tokenizer_revision") or kwargs.get("revision")
+        if revision:
+            options["revision"] = revision
+        if kwargs.get("tokenizer_mode") == "slow":
+            options["use_fast"] = False
+        return str(kwargs.get("tokenizer") or self.model), options
+
+    @property
+    def model_config_source(self) -> tuple[str, dict[str, Any]]:
+        """Where the router reads the model's config (its vocabulary size), as the engines do."""
+        kwargs = {**self.engine_kwargs, **self.decode.engine_kwargs}
+        options: dict[str, Any] = {"trust_remote_code": bool(kwargs.get("trust_remote_code", False))}
+        if kwargs.get("revision"):
+            options["revision"] = kwargs["revision"]
+        return str(kwargs.get("hf_config_path") or self.model), options
+
+    @property
     def prefix_block_tokens(self) -> int:
         """The prefix block of cache-aware routing: the engines' KV block size as configured."""
         if self.router.prefix.block_tokens is not None:
@@ -671,6 +764,11 @@ def _check_own_policy(role: str, autoscaling_config: dict[str, Any] | None) -> N
         built = cls(**(policy.get("policy_kwargs") or {}))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}.policy_kwargs: {exc}") from None
+    if "target_ongoing_requests" in autoscaling_config:
+        raise ValueError(
+            f"{role}.autoscaling_config.target_ongoing_requests is read by Serve's default policy only; "
+            f"{cls_name} takes its targets in policy.policy_kwargs (docs/operations.md, Scaling)"
+        )
     missing = sorted(set(getattr(built, "reads", ())) - autoscaling.REPORTED_METRICS[role])
     if missing:
         raise ValueError(f"{where}: {cls_name} reads {', '.join(missing)}, which {role} replicas do not report")
@@ -686,6 +784,20 @@ APP_ENGINE_KWARGS = {
 }
 # What decides the bytes of a KV block: prefill's and decode's must match.
 KV_LAYOUT_KWARGS = ("block_size", "dtype", "kv_cache_dtype")
+# What decides the model the engines run, its weights and its tokenizer: the same for both roles.
+MODEL_KWARGS = (
+    "revision",
+    "code_revision",
+    "quantization",
+    "load_format",
+    "hf_overrides",
+    "hf_config_path",
+    "config_format",
+    "tokenizer",
+    "tokenizer_revision",
+    "tokenizer_mode",
+    "trust_remote_code",
+)
 
 
 class ConfigError(ValueError):

@@ -81,9 +81,11 @@ def build_service(config: dict[str, Any], engines: dict[str, Any]) -> RouterServ
     from transformers import AutoConfig, AutoTokenizer
 
     app_config = load_config(config)
-    tokenizer = AutoTokenizer.from_pretrained(app_config.model)
+    name, options = app_config.tokenizer_source
+    tokenizer = AutoTokenizer.from_pretrained(name, **options)
     try:
-        vocab_size = int(AutoConfig.from_pretrained(app_config.model).vocab_size)
+        where, options = app_config.model_config_source
+        vocab_size = int(AutoConfig.from_pretrained(where, **options).vocab_size)
     except Exception:
         vocab_size = len(tokenizer)
     transport = app_config.router.engine_transport

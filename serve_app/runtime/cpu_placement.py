@@ -25,6 +25,15 @@ logger = logging.getLogger("pd_serve")
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
+def usable_cores() -> list[int]:
+    """The cores this process may run on, in order: a container's cpuset may hold cores 8-11 of
+    a 64-core host, and a binding to cores outside it fails (libgomp refuses it)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(max(1, os.cpu_count() or 1)))
+
+
 def workers_cpus(bind: str) -> set[int] | None:
     """The cores an explicit ``VLLM_CPU_OMP_THREADS_BIND`` gives an engine's workers, all ranks
     together ("0-3|4-7" -> 0..7); None where vLLM chooses (``auto``) or binds nothing."""

@@ -373,3 +373,58 @@ def test_an_engine_does_not_start_without_pd_serves_plugins():
     (problem,) = environment_problems(CPU, {"VLLM_PLUGINS": "another"})
     assert "VLLM_PLUGINS leaves out" in problem and "pd_serve_seeded_sampling" in problem
     assert environment_problems(MOCK, {"VLLM_PLUGINS": "another"}) == []  # no vLLM engine there
+
+
+def test_auto_binding_gives_the_engines_the_app_starts_with_a_core_each(monkeypatch):
+    """configs/serve-autoscale.yaml on 2 cores: decode's rank 0 came after the most prefill
+    engines there can be (2), and so took core 0 beside prefill-0, the router alone on core 1."""
+    import yaml
+
+    from serve_app.config import backends
+    from tests.support.cluster import REPO_ROOT
+
+    monkeypatch.setattr(backends, "usable_cores", lambda: [0, 1])
+    (app,) = yaml.safe_load((REPO_ROOT / "configs" / "serve-autoscale.yaml").read_text())["applications"]
+    config = load_config(app["args"])
+    assert config.prefill.max_replicas + config.decode.max_replicas > 2
+    binds = {s.name: s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in engine_specs(config)}
+    assert binds == {"prefill-0": "0", "decode-0": "1"}
+    # Where the host has a core for every engine the pools may grow to, none ever shares one.
+    monkeypatch.setattr(backends, "usable_cores", lambda: list(range(8)))
+    grown = [replica_spec(config, role, rank).env["VLLM_CPU_OMP_THREADS_BIND"] for role in ("prefill", "decode") for rank in range(2)]
+    assert grown == ["0", "1", "2", "3"]
+
+
+def test_auto_binding_stays_within_the_cores_the_process_may_use(monkeypatch):
+    """In a container whose cpuset is cores 8-11 of a bigger host, a binding to core 0 fails the
+    engine's start (libgomp refuses it): engines go round the usable cores, not 0..cpu_count."""
+    from serve_app.config import backends
+
+    monkeypatch.setattr(backends, "usable_cores", lambda: [8, 9, 10, 11])
+    specs = specs_by_name({"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 2}})
+    assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs.values()] == ["8", "9", "10"]
+    assert specs["decode-0"].engines_cores == (8, 9, 10)
+
+
+def test_replicas_stay_off_the_hub_only_for_a_model_in_a_local_directory(tmp_path):
+    """A local model needs nothing from the hub; a model named by its hub id was made offline
+    too (the router then failed at start wherever the model was not cached yet)."""
+    from serve_app.config.backends import router_env
+
+    local = load_config({"model": str(tmp_path)})
+    assert router_env(local)["HF_HUB_OFFLINE"] == "1"
+    assert all(s.env["HF_HUB_OFFLINE"] == "1" for s in engine_specs(local))
+    hub = load_config({"model": "Qwen/Qwen2.5-0.5B-Instruct"})
+    assert "HF_HUB_OFFLINE" not in router_env(hub)
+    assert all("HF_HUB_OFFLINE" not in s.env for s in engine_specs(hub))
+    assert "HF_HUB_OFFLINE" not in router_env(load_config({"backend": "ascend", "model": str(tmp_path)}))
+
+
+def test_an_operators_memory_share_replaces_the_cpu_backends_kv_cache_bound():
+    """vLLM takes kv_cache_memory_bytes over gpu_memory_utilization: the backend's 256 MiB made an
+    operator's gpu_memory_utilization do nothing."""
+    shared = specs_by_name({"engine_kwargs": {"gpu_memory_utilization": 0.5}})["decode-0"].engine_kwargs
+    assert shared["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in shared
+    both = specs_by_name({"decode": {"engine_kwargs": {"gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": 1 << 30}}})
+    assert both["decode-0"].engine_kwargs["kv_cache_memory_bytes"] == 1 << 30
+    assert specs_by_name({})["decode-0"].engine_kwargs["kv_cache_memory_bytes"] == 256 << 20

@@ -118,6 +118,100 @@ def test_both_roles_must_lay_out_kv_blocks_alike():
     assert load_config(colocated).prefill.engine_kwargs["block_size"] == 64
 
 
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("revision", "other-sha"),
+        ("load_format", "dummy"),
+        ("quantization", "fp8"),
+        ("tokenizer", "/models/tok"),
+        ("trust_remote_code", True),
+    ],
+)
+def test_both_roles_must_run_one_model(key, value):
+    """Decode continues from the KV prefill computed: other weights (a revision, random weights,
+    a quantization) on one role passed the KV layout check and decoded from wrong KV, silently."""
+    with pytest.raises(ConfigError, match=f"prefill's and decode's {key} differ .*both must run one model"):
+        load_config({"prefill": {"engine_kwargs": {key: value}}})
+    assert load_config({"engine_kwargs": {key: value}}).engine_kwargs[key] == value
+
+
+def test_the_router_loads_the_engines_tokenizer():
+    """The router tokenizes every prompt and detokenizes every token: it loaded the model's own
+    tokenizer at its head revision whatever the engines were told (tokenizer, revision,
+    trust_remote_code), and so sent the engines other token ids than theirs."""
+    config = load_config({"engine_kwargs": {"tokenizer": "/models/tok", "revision": "abc", "trust_remote_code": True}})
+    assert config.tokenizer_source == ("/models/tok", {"trust_remote_code": True, "revision": "abc"})
+    assert config.model_config_source == (config.model, {"trust_remote_code": True, "revision": "abc"})
+    config = load_config({"engine_kwargs": {"revision": "abc", "tokenizer_revision": "def", "tokenizer_mode": "slow"}})
+    assert config.tokenizer_source == (config.model, {"trust_remote_code": False, "revision": "def", "use_fast": False})
+    assert load_config({}).tokenizer_source == (load_config({}).model, {"trust_remote_code": False})
+
+
+def test_build_service_loads_the_tokenizer_and_config_as_the_engines_do(monkeypatch):
+    import transformers
+
+    from serve_app.router import deployment
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class Tokenizer:
+        def __len__(self) -> int:  # the vocabulary's fallback, once the config failed: far enough
+            raise Stop
+
+    def tokenizer(name, **options):
+        seen.append(("tokenizer", name, options))
+        return Tokenizer()
+
+    def model_config(name, **options):
+        seen.append(("config", name, options))
+        raise OSError("not here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", model_config)
+    with pytest.raises(Stop):
+        deployment.build_service({"engine_kwargs": {"tokenizer": "/models/tok", "revision": "r1", "hf_config_path": "/cfg"}}, {})
+    options = {"trust_remote_code": False, "revision": "r1"}
+    assert seen == [("tokenizer", "/models/tok", options), ("config", "/cfg", options)]
+
+
+def test_settings_that_would_replace_the_recompute_scheduler_are_refused():
+    """decode.recompute runs decode on the recompute scheduler: a scheduler_cls (cpu) was
+    overwritten silently, and vllm-ascend's dynamic-batch or profiling-chunk scheduler would have
+    replaced its RecomputeScheduler (decode then preempted locally, recompute on in name only)."""
+    with pytest.raises(ConfigError, match="decode.engine_kwargs.scheduler_cls: decode.recompute"):
+        load_config({"decode": {"engine_kwargs": {"scheduler_cls": "my.Scheduler"}}})
+    with pytest.raises(ConfigError, match="engine_kwargs.scheduler_cls"):
+        load_config({"engine_kwargs": {"scheduler_cls": "my.Scheduler"}})
+    assert load_config({"decode": {"recompute": False, "engine_kwargs": {"scheduler_cls": "my.Scheduler"}}}).decode.recompute is False
+    ascend = {"backend": "ascend", "model": "/models/m"}
+    for extra, key in (
+        ({"SLO_limits_for_dynamic_batch": 50}, "SLO_limits"),
+        ({"profiling_chunk_config": {"enabled": True}}, "profiling_chunk"),
+    ):
+        with pytest.raises(ConfigError, match=f"additional_config.{key}.*RecomputeScheduler"):
+            load_config({**ascend, "decode": {"engine_kwargs": {"additional_config": extra}}})
+        assert load_config({**ascend, "decode": {"recompute": False, "engine_kwargs": {"additional_config": extra}}})
+    assert load_config({**ascend, "decode": {"engine_kwargs": {"additional_config": {"SLO_limits_for_dynamic_batch": -1}}}})
+
+
+def test_parallelism_a_replica_cannot_hold_is_refused_at_load():
+    """One replica is one engine: data parallelism inside it would start several engines behind
+    one KV endpoint; Ascend replicas hold tensor_parallel_size NPUs and a 16-port KV block."""
+    with pytest.raises(ConfigError, match="data_parallel_size 2: each replica is one engine"):
+        load_config({"decode": {"engine_kwargs": {"data_parallel_size": 2}}})
+    ascend = {"backend": "ascend", "model": "/models/m"}
+    for key in ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"):
+        with pytest.raises(ConfigError, match=f"{key} 2: the ascend backend runs tensor parallelism only"):
+            load_config({**ascend, "prefill": {"engine_kwargs": {key: 2}}})
+    with pytest.raises(ConfigError, match="tensor_parallel_size 32: an engine's KV port block has 16 ports"):
+        load_config({**ascend, "decode": {"engine_kwargs": {"tensor_parallel_size": 32}}})
+    assert load_config({**ascend, "engine_kwargs": {"tensor_parallel_size": 16}})
+
+
 def test_pools_take_serves_own_scaling_options():
     """num_replicas (an int or auto) and autoscaling_config, checked by Ray Serve's own model;
     the old key fails with a message naming the new one; a pool's default policy is pd-serve's."""
@@ -144,6 +238,12 @@ def test_pools_take_serves_own_scaling_options():
     own = {"policy_function": "serve_app.config.autoscaling:SLOPolicy", "policy_kwargs": {"ttft_p90_s": 0.5}}
     kept = load_config({"prefill": {"autoscaling_config": {"max_replicas": 4, "policy": own}}}).prefill.serve_options("x:Y")
     assert kept["autoscaling_config"]["policy"] == own and "num_replicas" not in kept
+    # Beside num_replicas: auto, Serve lays the config over its defaults (max_replicas 100).
+    auto = load_config({"decode": {"num_replicas": "auto", "autoscaling_config": {"min_replicas": 2}}})
+    assert (auto.decode.min_replicas, auto.decode.max_replicas) == (2, 100)
+    # target_ongoing_requests is Serve's default policy's: pd-serve's would ignore it.
+    with pytest.raises(ConfigError, match="target_ongoing_requests is read by Serve's default policy only"):
+        load_config({"decode": {"autoscaling_config": {"max_replicas": 2, "target_ongoing_requests": 4}}})
     # A config dumped (as the app hands it to its replicas) loads again unchanged.
     assert load_config(config.model_dump(mode="json")) == config
 
@@ -213,6 +313,13 @@ def test_tensor_parallel_on_the_cpu_backend_is_checked_at_load():
     assert bound.decode.cpu_bind == ["0|1"]
     with pytest.raises(ConfigError, match="KV connector moves one rank"):
         load_config({"decode": {"engine_kwargs": {"tensor_parallel_size": 2}, "cpu_bind": ["0|1"]}})
+    # Pipeline ranks are workers too, each with its own cores; a list entry must give each rank its set.
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 2 needs one set of cores per rank"):
+        load_config({**colocated, "engine_kwargs": {"pipeline_parallel_size": 2}})
+    with pytest.raises(ConfigError, match=r"cpu_bind entry '0-3': tensor_parallel_size 2 needs 2 sets"):
+        load_config({**colocated, "decode": {"engine_kwargs": {"tensor_parallel_size": 2}, "cpu_bind": ["0-3"]}})
+    with pytest.raises(ConfigError, match="KV connector moves one rank"):
+        load_config({"engine_kwargs": {"pipeline_parallel_size": 2}, "decode": {"cpu_bind": ["0|1"]}, "prefill": {"cpu_bind": ["0|1"]}})
     # Other backends bind their own devices.
     assert load_config({"backend": "mock", "engine_kwargs": {"tensor_parallel_size": 2}}).backend == "mock"
 
