@@ -97,6 +97,7 @@ OVERFLOW_MEMORY = 1024
 OVERFLOW_SECRETS = 4  # secrets remembered per transfer whose early frames were dropped
 FRAME_OVERHEAD = 512  # what a queued frame costs besides its payload
 TICK_S = 0.1  # how often deadlines (handshakes, early frames) are checked
+ACCEPT_RETRY_S = 0.05  # after a failed accept (EMFILE, ENOBUFS): wait, then go on accepting
 LOG_INTERVAL_S = 10.0  # at most one line per interval about refused or broken connections
 
 
@@ -207,8 +208,14 @@ class FrameServer:
         while not self._stop.is_set():
             try:
                 sock, addr = self._sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stop.is_set():
+                    return  # closed by close()
+                # Out of descriptors or buffers, or a connection that failed while queued: the
+                # next one may do; this thread is the only way in.
+                self.refusals.note(f"accept failed: {exc!r}")
+                self._stop.wait(ACCEPT_RETRY_S)
+                continue
             conn = Conn(sock=sock, peer=str(addr[0]), deadline=time.monotonic() + self.s.handshake_timeout_s)
             with self._lock:
                 victim = self._room_for(conn.peer)
@@ -336,6 +343,10 @@ class Incoming:
     deadline: float
     armed_at: float
     writable: frozenset[int] = frozenset()
+    # The blocks the prompt's pushed tokens fill, each of which every layer must write before the
+    # transfer counts as done (frame counts alone pass a push that lost a chunk and went on).
+    needed: frozenset[int] = frozenset()
+    written: dict[str, set[int]] = field(default_factory=dict)  # layer -> blocks written
     frames: int = 0
     layers: set[str] = field(default_factory=set)
     bytes: int = 0
@@ -742,7 +753,8 @@ class ConsumerWorker:
     def _arm(self, spec: RecvSpec) -> None:
         tid = spec.transfer_id
         now = time.time()
-        state = Incoming(spec=spec, deadline=now + spec.timeout_s, armed_at=now, writable=frozenset(spec.block_ids))
+        needed = frozenset(spec.block_ids[: -(-spec.num_tokens // self.s.block_size)])
+        state = Incoming(spec=spec, deadline=now + spec.timeout_s, armed_at=now, writable=frozenset(spec.block_ids), needed=needed)
         if spec.rejected is None and (tid in self._waiting or tid in self._settled):
             spec.rejected = f"transfer id {tid} was armed before on this engine"
         if spec.rejected is not None:
@@ -798,6 +810,7 @@ class ConsumerWorker:
                 assert geometry is not None and frame.payload is not None
                 data = torch.frombuffer(frame.payload, dtype=torch.uint8).view(geometry.dtype)
                 self.kv.write(header.layer, list(header.block_ids), data.reshape((len(header.block_ids), *geometry.block_shape)))
+                state.written.setdefault(header.layer, set()).update(header.block_ids)
                 state.frames += 1
                 state.bytes += frame.payload_len
                 state.layers.add(header.layer)
@@ -831,8 +844,11 @@ class ConsumerWorker:
         if self._waiting.get(tid) is not state:
             return
         if state.failed is None and state.expected_frames is not None and state.frames >= state.expected_frames:
+            short = sum(1 for layer in self.kv.layers if not state.needed <= state.written.get(layer, set()))
             if len(state.layers) < len(self.kv.layers):
                 state.failed = f"{len(state.layers)} of {len(self.kv.layers)} layers arrived"
+            elif short:
+                state.failed = f"{short} of {len(self.kv.layers)} layers lack some of the prompt's {len(state.needed)} blocks"
             else:
                 del self._waiting[tid]
                 self._by_req.pop(req_id, None)

@@ -63,6 +63,7 @@ SWEEP_INTERVAL_S = 1.0  # how often the sender closes connections whose decode e
 # transfer of the batch to that host.
 FAILED_DESTINATION_S = 5.0
 ACK_MEMORY = 4096  # acks kept per connection until their transfer's done frame asks for them
+DEAD_MEMORY = 4096  # transfers failed mid-prompt whose later chunks are skipped
 
 
 class Link:
@@ -78,10 +79,12 @@ class Link:
     def _read(self) -> None:
         why = "the decode engine closed the connection"
         try:
+            poller = select.poll()  # not select(): a worker's descriptors can pass FD_SETSIZE
+            poller.register(self.sock, select.POLLIN)
             while True:
                 # Idle for as long as it likes between acks (the socket's timeout is for sends
                 # and for a frame that stalls halfway).
-                select.select([self.sock], [], [])
+                poller.poll()
                 pre = read_preamble(self.sock, TO_PREFILL)
                 if pre is None:
                     break
@@ -213,6 +216,10 @@ class ProducerWorker:
         self._step_layers: dict[str, set[str]] = {}  # transfer -> layers pushed in this step
         self._done_sent: dict[str, Link] = {}  # transfer -> where its done frame went, this step
         self._open: dict[str, SendSpec] = {}  # engine request id -> its transfer's latest chunk, until it ends
+        # Transfers that failed before their prompt's last chunk: its later chunks send nothing (a
+        # push that went on after a lost chunk would end with a done frame counting only the
+        # frames after it), until the request's last chunk or its end.
+        self._dead: OrderedDict[str, None] = OrderedDict()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv.register(kv_caches, self.s.block_size)
@@ -232,7 +239,7 @@ class ProducerWorker:
         """Called inside the attention layer, right after it wrote this step's KV."""
         for spec in meta.send:
             tid = spec.transfer_id
-            if spec.error or tid in self._broken:
+            if spec.error or tid in self._broken or tid in self._dead:
                 continue
             data = self.layer_payload(meta, spec, layer, kv_layer).contiguous()
             header = {"transfer": tid, "secret": spec.secret, "layer": layer, "block_ids": spec.remote_block_ids}
@@ -275,6 +282,10 @@ class ProducerWorker:
         self._end_aborted(meta)
         for spec in meta.send:
             tid = spec.transfer_id
+            if tid in self._dead:
+                if spec.last_chunk:
+                    del self._dead[tid]
+                continue
             self._open[spec.req_id] = spec
             record = self._records.setdefault(tid, new_record("prefill"))
             record["tokens_pushed"] += spec.num_tokens if not (spec.error or tid in self._broken) else 0
@@ -327,6 +338,10 @@ class ProducerWorker:
     def _finish(self, spec: SendSpec, reason: str | None) -> None:
         tid = spec.transfer_id
         self._open.pop(spec.req_id, None)
+        if reason and not spec.last_chunk:
+            self._dead[tid] = None
+            while len(self._dead) > DEAD_MEMORY:  # requests aborted mid-prompt never send a last chunk
+                self._dead.popitem(last=False)
         record = self._records.pop(tid)
         record["outcome"] = "failed" if reason else "done"
         if reason:

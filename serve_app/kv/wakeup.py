@@ -87,6 +87,8 @@ class Doorbell:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind((LOOPBACK, 0))
         self._sock.setblocking(False)
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
         self.port: int = self._sock.getsockname()[1]
         self.token: str = secrets.token_hex(16)
         self._token = self.token.encode()
@@ -111,7 +113,10 @@ class Doorbell:
             if remaining <= 0:
                 return False
             try:
-                readable, _, _ = select.select([self._sock], [], [], remaining)
+                # poll, not select(): an engine core's descriptors can pass FD_SETSIZE
+                readable = self._poller.poll(remaining * 1000)
+                if any(events & select.POLLNVAL for _, events in readable):
+                    raise OSError("the doorbell's socket is closed")
             except (OSError, ValueError):  # closed under us: behave like vLLM's plain sleep
                 time.sleep(remaining)
                 return False

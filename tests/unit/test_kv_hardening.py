@@ -595,3 +595,29 @@ def test_a_decode_host_that_stops_reading_costs_one_send_timeout_not_one_per_tra
         listener.close()
         for conn in accepted:
             conn.close()
+
+
+def test_the_receiver_goes_on_accepting_after_a_failed_accept(monkeypatch):
+    """One accept() error (out of descriptors, a connection that failed in the queue) ended the
+    accept thread for good: every later push waited out its acknowledgement and failed."""
+    import errno
+
+    real = socket.socket.accept
+    calls = []
+
+    def accept(sock):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(sock)
+
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    consumer = ConsumerWorker(settings())
+    consumer.register_kv_caches(patterned_caches(seed=1))
+    try:
+        peer = Peer(port_of(consumer))
+        peer.send([b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64])  # not a frame: a served connection is closed at once
+        assert peer.closed_by_peer(timeout_s=2.0)
+        assert len(calls) >= 2
+    finally:
+        consumer.close()

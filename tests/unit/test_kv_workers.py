@@ -81,7 +81,7 @@ def settle(consumer: ConsumerWorker, req_id: str) -> tuple[set[str], set[str], f
 # ---------------------------------------------------------------------------- the good path
 def test_consumer_writes_received_layers_into_named_blocks(consumer, peers):
     before = snapshot(consumer.kv.layers)
-    secret = arm(consumer, "req-1", "t-1", [2, 5, 6], num_tokens=9)
+    secret = arm(consumer, "req-1", "t-1", [2, 5, 6], num_tokens=8)  # 6 is writable, not needed (a lookahead block)
     peer = peers()
     data = layer_data(2, seed=1)
     peer.layers("t-1", secret, [5, 2], data)  # any order within the request's blocks
@@ -92,7 +92,7 @@ def test_consumer_writes_received_layers_into_named_blocks(consumer, peers):
     records = consumer.take_records()
     rec = records["t-1"]
     assert rec["outcome"] == "done" and rec["error"] is None
-    assert (rec["tokens_received"], rec["frames_received"], rec["layers_received"]) == (9, 2, 2)
+    assert (rec["tokens_received"], rec["frames_received"], rec["layers_received"]) == (8, 2, 2)
     assert rec["bytes_received"] == 2 * 2 * KV_SHAPE[1] * KV_SHAPE[2] * KV_SHAPE[3] * 4
     assert rec["armed_at"] <= rec["first_layer_at"] <= rec["last_layer_at"] <= rec["settled_at"]
     assert consumer.take_records() == {}
@@ -451,6 +451,21 @@ def test_garbage_on_the_port_closes_only_that_connection(consumer, peers):
     assert_good_lands(consumer, peers, good, before)
 
 
+def test_a_done_frame_whose_count_matches_does_not_settle_a_transfer_that_lacks_blocks(consumer, peers):
+    """Frame counts and layers alone passed a push that lost a chunk and went on: its done frame
+    counted only the frames after the loss, and the prompt's first blocks kept another request's
+    KV. Every layer must write every block the prompt's tokens fill."""
+    before = snapshot(consumer.kv.layers)
+    secret = arm(consumer, "req-1", "t-1", [2, 5], num_tokens=8)
+    peer = peers()
+    peer.layers("t-1", secret, [5], layer_data(1, seed=3))  # block 2 never comes
+    peer.done("t-1", secret, frames=2)
+    finished, failed = poll_until(consumer, "req-1")
+    assert finished == failed == {"req-1"}
+    assert "lack some of the prompt's 2 blocks" in consumer.take_records()["t-1"]["error"]
+    assert_caches_equal(consumer.kv.layers, expected_after(before, [5], layer_data(1, seed=3)))
+
+
 # ---------------------------------------------------------------------------- producer worker
 @pytest.fixture
 def producer():
@@ -487,7 +502,7 @@ def run_step(producer: ProducerWorker, spec: SendSpec) -> None:
 def test_producer_pushes_layers_the_consumer_writes(producer, consumer):
     before = snapshot(consumer.kv.layers)
     port = port_of(consumer)
-    arm(consumer, "d-req", "t-1", [0, 2, 5], num_tokens=8)
+    arm(consumer, "d-req", "t-1", [2, 5], num_tokens=8)
     # Two chunked steps: local block 1 -> remote 2, then local 3 -> remote 5.
     run_step(producer, send_spec(port, [1], [2], 4, last_chunk=False))
     consumer.on_step(LayerwiseMetadata())
@@ -675,3 +690,34 @@ def test_connector_build_kv_connector_stats():
     stats = LayerwisePushConnector.build_kv_connector_stats({"transfers": {"t": {}}})
     assert isinstance(stats, LayerwiseStats) and stats.reduce() == {"transfers": 1}
     assert LayerwisePushConnector.build_kv_connector_stats(None).is_empty()
+
+
+def test_a_push_that_failed_before_its_last_chunk_sends_nothing_more(producer, consumer):
+    """A chunk whose sends failed (the destination in its fast-fail window: decode heard
+    nothing) ended the transfer's state, and the next chunk pushed on as if it were new: its done
+    frame counted only its own frames, decode settled the transfer with the first chunk's blocks
+    never written, and prefill's second record said "done"."""
+
+    class FailingFirst(FrameSender):
+        failing = True
+
+        def send(self, host, port, parts):
+            if self.failing:
+                raise ConnectionError("failed a send in the last 5 s")
+            return super().send(host, port, parts)
+
+    producer.sender = sender = FailingFirst()
+    before = snapshot(consumer.kv.layers)
+    port = port_of(consumer)
+    arm(consumer, "d-req", "t-1", [2, 5], num_tokens=8)
+    run_step(producer, send_spec(port, [1], [2], 4, last_chunk=False))
+    assert producer.take_records()["t-1"]["outcome"] == "failed"
+    sender.failing = False
+    run_step(producer, send_spec(port, [3], [5], 4, last_chunk=True))
+    assert producer.take_records() == {}  # no second record to say otherwise
+    time.sleep(0.2)
+    consumer.on_step(LayerwiseMetadata())
+    assert consumer.results() == (set(), set())  # still waiting: its deadline (or the router) ends it
+    assert_caches_equal(consumer.kv.layers, before)
+    # The transfer's last chunk ended it here: an id the router never reuses is not kept.
+    assert "t-1" not in producer._dead
