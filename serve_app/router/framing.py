@@ -173,7 +173,7 @@ class ResponseFramer:
         return self._required.calls if self._required else self._auto_calls
 
     def _carries_token_data(self, emission: Emission) -> bool:
-        return bool(emission.token_ids and self.request.return_token_ids) or bool(emission.logprobs and self.request.logprobs is not None)
+        return bool(emission.token_ids and self.request.returns_output_ids) or bool(emission.logprobs and self.request.logprobs is not None)
 
     def _finish_reason(self, finish_reason: str | None, calls: int, whole: bool = False) -> str | None:
         """OpenAI's: "tool_calls" where a required or an auto choice's calls ended as they should
@@ -231,7 +231,7 @@ class ResponseFramer:
             logprobs=self._completion_logprobs(logprobs, prompt_logprobs),
             finish_reason=emission.finish_reason,
             stop_reason=emission.stop_reason,
-            token_ids=list(emission.token_ids) if self.request.return_token_ids else None,
+            token_ids=list(emission.token_ids) if self.request.returns_output_ids else None,
             prompt_token_ids=prompt_ids,
         )
         chunk = CompletionStreamResponse(
@@ -260,7 +260,7 @@ class ResponseFramer:
             logprobs=logprobs,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
-            token_ids=list(token_ids) if token_ids and self.request.return_token_ids else None,
+            token_ids=list(token_ids) if token_ids and self.request.returns_output_ids else None,
         )
         prompt_ids, prompt_text = self._prompt_once()
         chunk = ChatCompletionStreamResponse(
@@ -287,7 +287,7 @@ class ResponseFramer:
     ) -> dict[str, Any]:
         use = usage(prompt_tokens, len(token_ids), self.reasoning_tokens(token_ids))
         self._output_context = []
-        ids = list(token_ids) if self.request.return_token_ids else None
+        ids = list(token_ids) if self.request.returns_output_ids else None
         prompt_ids = list(self.request.prompt_token_ids) if self.request.return_token_ids else None
         if self.request.route == "chat":
             from vllm.entrypoints.openai.chat_completion.protocol import (

@@ -136,11 +136,16 @@ class ModelContext:
     # Longer text cannot fit max_model_len tokens whatever it says (no token spells more
     # characters than the vocabulary's longest): refused before the tokenizer spends time on it.
     max_prompt_chars: int = field(init=False)
+    max_body_bytes: int = 4 * 1024 * 1024  # router.http.max_body_bytes
+    # A rendered chat prompt to truncate (or to count, /tokenize) may be longer than the context,
+    # but not longer than that plus a whole body: a client's template renders no further.
+    max_render_chars: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.encode = PromptEncoder(self.tokenizer)
         self.parser_tokenizer = self.parser_tokenizer or self.tokenizer
         self.max_prompt_chars = self.max_model_len * _longest_token_chars(self.tokenizer)
+        self.max_render_chars = self.max_prompt_chars + self.max_body_bytes
 
     def accepts(self, model: str | None) -> bool:
         return not model or model == self.name or model in self.aliases  # none or "": any (as vLLM's server)
@@ -165,7 +170,10 @@ class ParsedRequest:
     spaces_between_special_tokens: bool
     min_tokens: int
     logprobs: int | None  # top-k per token; None when not requested
-    return_token_ids: bool
+    return_token_ids: bool  # the prompt's ids, and the output's unless hidden
+    # ``include_reasoning: false`` hides the output's token ids and logprobs (as vLLM's server
+    # does); the prompt's ids still come.
+    hide_output_ids: bool = False
     # What every engine request of every attempt carries: vLLM's cache_salt (validated by its
     # protocol: a non-empty string; the router's prefix keys start from it too), its priority
     # (lower is served earlier; 0 unless the engines schedule by priority: ``_priority``), and a
@@ -207,6 +215,11 @@ class ParsedRequest:
 
     def __post_init__(self) -> None:
         self.engine_id_base = self.engine_id_base or self.response_id
+
+    @property
+    def returns_output_ids(self) -> bool:
+        """Whether the reply carries the output's token ids."""
+        return self.return_token_ids and not self.hide_output_ids
 
     @property
     def choices(self) -> tuple[ParsedRequest, ...]:
@@ -395,7 +408,8 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
         spaces_between_special_tokens=bool(request.spaces_between_special_tokens),
         min_tokens=int(request.min_tokens or 0),
         logprobs=None if hide_tokens else logprobs,
-        return_token_ids=bool(request.return_token_ids) and not hide_tokens,
+        return_token_ids=bool(request.return_token_ids),
+        hide_output_ids=hide_tokens,
         tags=RequestTags(request.cache_salt, priority, **_reasoning_tags(reasoning, parser, parser_kwargs, samples[0][0])),
         tool_choice=tool_choice,
         reasoning=reasoning,
@@ -503,6 +517,8 @@ def _reasoning_tags(reasoning: ReasoningSplit | None, parser: Any, parser_kwargs
     with it the end of thinking the engine would otherwise never see."""
     if reasoning is None:  # (a chat request's, where the decode engines have a reasoning parser)
         return {}
+    if _nesting_exceeds(parser_kwargs, MAX_NESTING):  # (where a number would not be looked for)
+        raise bad_request(f"chat_template_kwargs nests deeper than {MAX_NESTING} levels", param="chat_template_kwargs")
     if _out_of_range(parser_kwargs):  # they travel to the engine in msgpack, as its numbers do
         raise bad_request(f"chat_template_kwargs holds a number outside {INT_RANGE[0]}..{INT_RANGE[1]}", param="chat_template_kwargs")
     over = not reasoning.include or bool(parser.is_reasoning_end(prompt))
@@ -753,6 +769,8 @@ def _nesting_exceeds(value: Any, limit: int) -> bool:
 
 
 def _out_of_range(value: Any, depth: int = 0) -> bool:
+    """Whether an integer outside what the engines' msgpack encoding carries is in ``value``,
+    looked into ``MAX_NESTING`` levels deep (callers bound the nesting first)."""
     low, high = INT_RANGE
     if isinstance(value, bool) or depth > MAX_NESTING:
         return False
@@ -942,7 +960,8 @@ def _chat_prompt(request: Any, ctx: ModelContext) -> tuple[str, list[int]]:
 
 def chat_prompt_text(request: Any, ctx: ModelContext, *, bounded: bool) -> str:
     """The conversation rendered by the chat template, as an engine's prompt; ``bounded``: text
-    longer than the context could hold is refused before it is tokenized."""
+    longer than the context could hold is refused before it is tokenized (else text longer than
+    ``max_render_chars``)."""
     conversation = []
     for i, message in enumerate(request.messages):
         field_of = message.get if isinstance(message, dict) else lambda name, m=message: getattr(m, name, None)
@@ -998,6 +1017,14 @@ def chat_prompt_text(request: Any, ctx: ModelContext, *, bounded: bool) -> str:
         raise bad_request("The chat template did not render text", param="messages")
     if bounded:
         _check_text_length(text, "messages", ctx)
+    elif len(text) > ctx.max_render_chars:
+        # Before the tokenizer spends seconds on it: one string operation of a client's template
+        # (a repeat) is not interrupted by its time limit.
+        raise bad_request(
+            f"The chat template rendered {len(text)} characters, more than this server tokenizes for one prompt "
+            f"({ctx.max_render_chars})",
+            param="messages",
+        )
     return text
 
 

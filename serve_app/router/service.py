@@ -251,6 +251,7 @@ class RouterService:
             sampling_defaults=dict(sampling_defaults or {}),
             max_tokens_cap=max_tokens_cap,
             max_choices=config.router.max_choices,
+            max_body_bytes=config.router.http.max_body_bytes,
             **reply_parsers(config, tokenizer),
         )
         self.metrics = metrics

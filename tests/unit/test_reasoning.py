@@ -137,13 +137,23 @@ def test_usage_counts_the_thinking_as_vllms_server_does(ctx, tiny_tokenizer):
 def test_include_reasoning_false_leaves_it_out_and_the_tokens_that_spell_it(ctx, tiny_tokenizer):
     body = {"messages": MESSAGES, "include_reasoning": False, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}
     parsed = parse_request("chat", body, ctx)
-    assert parsed.logprobs is None and parsed.sampling_params.logprobs is None and not parsed.return_token_ids
+    assert parsed.logprobs is None and parsed.sampling_params.logprobs is None and not parsed.returns_output_ids
     text = thinking("It is cold.", "Take a coat.")
     message = reply(parsed, text)["message"]
     assert "reasoning" not in message and message["content"].strip() == "Take a coat."
     for k in STEPS:
         got = fed(parsed, in_steps(tiny_tokenizer, text, k))
         assert got["reasoning"] == "" and got["content"].strip() == "Take a coat.", k
+    # The output's token ids are hidden; the prompt's still come (as on vLLM 0.32's server).
+    from serve_app.router.framing import ResponseFramer
+    from serve_app.router.recompute import Emission
+
+    whole = ResponseFramer(parsed, str).final(
+        text=text, token_ids=[7] * 3, logprobs=None, finish_reason="stop", stop_reason=None, prompt_tokens=3
+    )
+    assert whole["prompt_token_ids"] == parsed.prompt_token_ids and whole["choices"][0].get("token_ids") is None
+    (first, *_) = ResponseFramer(parsed, str).chunks(Emission(text="x", token_ids=[7], finish_reason=None))
+    assert first["prompt_token_ids"] == parsed.prompt_token_ids and first["choices"][0].get("token_ids") is None
 
 
 def test_a_named_or_required_call_follows_the_thinking(ctx, tiny_tokenizer):
@@ -310,3 +320,19 @@ def test_the_decode_engine_is_told_what_vllms_server_tells_it(tiny_tokenizer):
         assert {(c["reasoning_ended"], c["reasoning_parser_kwargs"]) for c in calls} == {(None, None)}
 
     run(without_parser, args(), tiny_tokenizer)
+
+
+def test_template_variables_the_engine_could_not_be_sent_are_a_400(ctx):
+    """The variables travel to the decode engine in msgpack (``reasoning_parser_kwargs``): a
+    number past 64 bits there failed every attempt's engine call, a 502 after max_attempts. One
+    nested deeper than the range check looks went through; such nesting is refused as a whole."""
+    from serve_app.router.errors import OpenAIError
+
+    deep: object = 2**70
+    for _ in range(70):
+        deep = [deep]
+    for kwargs, message in (({"x": [[2**70]]}, "holds a number outside"), ({"x": deep}, "nests deeper than 64 levels")):
+        with pytest.raises(OpenAIError) as err:
+            parse_request("chat", {"messages": MESSAGES, "chat_template_kwargs": kwargs}, ctx)
+        assert err.value.status == 400 and err.value.param == "chat_template_kwargs" and message in str(err.value)
+    assert parse_request("chat", {"messages": MESSAGES, "chat_template_kwargs": {"x": [[2**40]]}}, ctx)

@@ -593,3 +593,24 @@ def test_no_output_is_refused_but_for_a_completions_echo(tiny_tokenizer):
             assert_openai_error(await client.post("/v1/completions", json=completion), 400, "max_tokens")
 
     run(body, tiny_tokenizer)
+
+
+def test_what_a_trusted_template_renders_to_truncate_is_bounded_before_it_is_tokenized(tiny_tokenizer):
+    """With truncate_prompt_tokens (or on /tokenize) a rendered prompt may be longer than the
+    context: it was not bounded at all, and one string repeat of a client's template (which its
+    time limit cannot interrupt) had the tokenizer spend seconds on millions of characters."""
+    from serve_app.router.parsing import ModelContext, parse_request
+
+    ctx = ModelContext(
+        name="tiny", aliases=frozenset(), max_model_len=64, vocab_size=1024, tokenizer=tiny_tokenizer,
+        trust_request_chat_template=True, max_body_bytes=4096,
+    )  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+    repeat = ctx.max_render_chars // 3 + 1
+    with mock.patch.object(ctx, "encode", side_effect=AssertionError("tokenized")), pytest.raises(OpenAIError) as err:
+        parse_request("chat", {"messages": messages, "chat_template": f"{{{{ 'ab ' * {repeat} }}}}", "truncate_prompt_tokens": 8}, ctx)
+    assert err.value.status == 400 and err.value.param == "messages" and "more than this server tokenizes" in str(err.value)
+    # Within the bound, longer than the context: truncated as asked.
+    fits = ctx.max_prompt_chars // 3 + 10
+    parsed = parse_request("chat", {"messages": messages, "chat_template": f"{{{{ 'ab ' * {fits} }}}}", "truncate_prompt_tokens": 8}, ctx)
+    assert len(parsed.prompt_token_ids) == 8
