@@ -219,6 +219,15 @@ def drive(port: int, load: list[tuple[str, Request]], start: float) -> list[tupl
     return [(name, o) for (name, _), o in zip(load, outcomes)]
 
 
+def decode_engines(port: int) -> int:
+    """The decode engines the router lists; a poll that timed out counts as more than one (the
+    wait for the pool's way down goes on), as the watcher lets one pass."""
+    try:
+        return engine_counts(port).get("decode", 0)
+    except (requests.RequestException, ValueError, KeyError):
+        return 2
+
+
 def run_target(target: str, phases: tuple[Phase, ...], workdir: Path) -> dict[str, Any]:
     port = free_port()
     config = app_config(target, port)
@@ -236,7 +245,7 @@ def run_target(target: str, phases: tuple[Phase, ...], workdir: Path) -> dict[st
         watcher = Watcher(port)
         watcher.start()
         results = drive(port, step_load(phases), watcher.start_at)
-        while time.perf_counter() - watcher.start_at < total_s + tail_s and engine_counts(port).get("decode", 0) > 1:
+        while time.perf_counter() - watcher.start_at < total_s + tail_s and decode_engines(port) > 1:
             time.sleep(POLL_S)
         watcher.stop.set()
         watcher.join()
@@ -309,8 +318,14 @@ def main(argv: list[str]) -> int:
     phases = QUICK if args.quick else PHASES
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="pdautoscale-") as tmp:
-        for target in args.targets.split(","):
-            results[target] = run_target(target, phases, Path(tmp))
+        try:
+            for target in args.targets.split(","):
+                results[target] = run_target(target, phases, Path(tmp))
+        except Exception as exc:  # an app that did not start: keep what the others measured
+            print(f"== stopped: {exc!r}", file=sys.stderr)
+            if args.out:
+                args.out.write_text(json.dumps({"results": results, "error": repr(exc)}, indent=2, default=str))
+            return 2
     table = report(results, phases)
     print(table)
     if args.out:

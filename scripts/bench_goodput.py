@@ -135,7 +135,7 @@ class Outcome:
     ok: bool = False
     error: str | None = None
     ttft_s: float | None = None
-    chunk_gaps_s: list[float] = field(default_factory=list)  # between chunks with text
+    chunk_gaps_s: list[float] = field(default_factory=list)  # between chunks that bring tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens each of those chunks brought
     first_chunk_tokens: int = 1
     e2e_s: float | None = None
@@ -240,8 +240,8 @@ async def one_request(
                     pending += len(ids)
                     if token_ids:
                         outcome.token_ids += ids
-                if not any(choice.get("text") for choice in event.get("choices") or []):
-                    continue  # tokens without text yet (a character split across tokens) arrive with the next text
+                if not any(choice.get("text") or choice.get("token_ids") for choice in event.get("choices") or []):
+                    continue  # (the usage event) a chunk that brings tokens counts, with text or not, as vLLM's client counts it
                 now, brought, pending = time.perf_counter(), max(1, pending), 0
                 if last is None:
                     outcome.ttft_s, outcome.first_chunk_tokens = now - sent, brought
@@ -328,7 +328,7 @@ def run_target(target: str, rates: list[float], count: int, chunk: int, workdir:
     with started(cmd, env, workdir / f"{target}.log", f"http://127.0.0.1:{port}/health", REPO_ROOT):
         warm = workload(2.0, 6, seed=99)  # not recorded: cold paths and kernels for new shapes
         asyncio.run(drive(port, warm))
-        result["long_alone_ttft_s"] = [asyncio.run(drive(port, [r]))[0][0].ttft_s for r in long_prompts_alone()]
+        result["long_alone_ttft_s"] = [alone_ttft(port, r) for r in long_prompts_alone()]
         for rate in rates:
             requests = workload(rate, count, seed=int(rate * 1000))
             outcomes, wall = asyncio.run(drive(port, requests))
@@ -401,7 +401,7 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
             f"Where attainment crosses {ATTAINMENT:.0%}, interpolated between the rates tried: "
             + ", ".join(knee_text(t, r, exact, min(rates)) for t, (r, exact) in knees.items())
             + " ("
-            + ", ".join(f"{t} {ratio(knees[t][0], knees['vllm'][0])}" for t in targets if t != "vllm")
+            + ", ".join(f"{t} {knee_ratio(knees[t], knees['vllm'])}" for t in targets if t != "vllm")
             + " of vLLM's server; goal >= 1.30x)"
         )
     dis = [t for t in results.get("disaggregated", {}).get("long_alone_ttft_s") or [] if t is not None]
@@ -416,6 +416,18 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
     for t in targets:
         lines.append("  " + t + ": " + " / ".join(f"{h['wakeup_us']:.0f} µs, {h['loop_ms']:.0f} ms" for h in results[t]["host_speed"]))
     return "\n".join(lines)
+
+
+def knee_ratio(ours: tuple[float, bool], theirs: tuple[float, bool]) -> str:
+    """The ratio of two knees (``knee_rate``), marked as the bound it is where a knee is one: a
+    knee past the highest rate tried is at least that rate, so over an exact knee the ratio is at
+    least the figure, and an exact knee over it at most; "n/a" where both are bounds or one is
+    below the lowest rate tried."""
+    (rate, exact), (other, other_exact) = ours, theirs
+    if not rate or not other or not (exact or other_exact):
+        return "n/a"
+    figure = ratio(rate, other)
+    return figure if exact and other_exact else (">= " if other_exact else "<= ") + figure
 
 
 def knee_text(target: str, rate: float, exact: bool, lowest: float) -> str:
@@ -465,8 +477,15 @@ def prefill_time_alone(chunk: int, workdir: Path) -> list[float]:
     print("== the prefill engine's own prefill time: starting", file=sys.stderr)
     with started(cmd, env, workdir / "prefill-alone.log", f"http://127.0.0.1:{port}/health", REPO_ROOT):
         asyncio.run(drive(port, workload(2.0, 4, seed=99)))
-        times = [asyncio.run(drive(port, [r]))[0][0].ttft_s for r in long_prompts_alone()]
+        times = [alone_ttft(port, r) for r in long_prompts_alone()]
     return [t for t in times if t is not None]
+
+
+def alone_ttft(port: int, request: Request) -> float | None:
+    """One request's TTFT, sent alone; None where it failed (a stream cut after its first token
+    has a TTFT too, but it is not a prefill to compare)."""
+    (outcome,), _ = asyncio.run(drive(port, [request]))
+    return outcome.ttft_s if outcome.ok else None
 
 
 def long_prompts_alone() -> list[Request]:
@@ -510,10 +529,17 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="pdgoodput-") as tmp:
         workdir = Path(tmp)
         prefill_alone: list[float] = []
-        for target in args.targets.split(","):
-            if target == "disaggregated":  # right before it: the host as the target will see it
-                prefill_alone = prefill_time_alone(args.chunk, workdir)
-            results[target] = run_target(target, rates, count, args.chunk, workdir)
+        try:
+            for target in args.targets.split(","):
+                if target == "disaggregated":  # right before it: the host as the target will see it
+                    prefill_alone = prefill_time_alone(args.chunk, workdir)
+                results[target] = run_target(target, rates, count, args.chunk, workdir)
+        except Exception as exc:  # a target that did not start: keep what the others measured
+            print(f"== stopped: {exc!r}", file=sys.stderr)
+            if args.out:
+                saved = {"results": results, "prefill_alone_runs_s": prefill_alone, "error": repr(exc)}
+                args.out.write_text(json.dumps(saved, indent=2, default=str))
+            return 2
     table = report(results, rates, prefill_alone)
     print(table)
     if args.out:

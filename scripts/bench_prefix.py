@@ -320,8 +320,16 @@ def main(argv: list[str]) -> int:
     if not opts.routing_cost_only:
         policies = [p for p in opts.policies.split(",") if p] + ["single"]
         with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
-            for workload in opts.workloads.split(","):
-                results[workload] = {p: run_policy(p, workload, opts.quick, Path(tmp)) for p in policies}
+            try:
+                for workload in opts.workloads.split(","):
+                    results[workload] = {}
+                    for p in policies:
+                        results[workload][p] = run_policy(p, workload, opts.quick, Path(tmp))
+            except Exception as exc:  # an app that did not start: keep what the others measured
+                print(f"== stopped: {exc!r}", file=sys.stderr)
+                if opts.out:
+                    opts.out.write_text(json.dumps({"results": results, "routing_cost": cost, "error": repr(exc)}, indent=2, default=str))
+                return 2
     text = report(results, cost)
     print(text)
     if opts.out:

@@ -63,6 +63,12 @@ from serve_app.runtime.ports import free_port  # noqa: E402  (importable once th
 VENV_BIN = Path(sys.executable).parent
 SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
 OVERRIDES: dict[str, Any] = {}  # --set KEY=JSON: app args for every pd-serve target (dotted keys nest)
+# What every target of this benchmark's own runs gets (vLLM's server too: it takes the decode
+# engine's arguments), before --set: no prefix cache. vLLM's random dataset builds each prompt as
+# a run of consecutive token ids from a seeded start, so the tiny model's 828 ordinary tokens allow
+# only 828 prompts of a length, and 40% of c=32's repeat an earlier one; whole-prompt cache hits
+# would measure no prefill and, disaggregated, no push.
+RUN_DEFAULTS: dict[str, Any] = {"engine_kwargs.enable_prefix_caching": False}
 # The mock engine's costs: small enough that a mock engine outpaces one router replica, so what
 # the mock targets measure is the router. Their runs are longer (MOCK_PROMPTS_FACTOR x the
 # prompts): at these speeds the vLLM workloads' prompts take well under a second.
@@ -78,19 +84,22 @@ class Workload:
     input_len: int
     output_len: int
     prompts: int
+    # vLLM's random dataset draws each prompt's start from the seed: a workload of its own, so no
+    # workload repeats the warm-up's or another's prompts (whole-prompt prefix-cache hits).
+    seed: int = 0
 
 
 # Enough prompts that each run lasts several seconds even on vLLM's server: shorter runs swing
 # with Ray's periodic background work (its dashboard agent, metrics export) on a 2-core host.
 WORKLOADS = [
-    Workload("c=1", 1, 32, 16, 64),
-    Workload("c=8", 8, 256, 64, 256),
-    Workload("c=32", 32, 256, 64, 384),
+    Workload("c=1", 1, 32, 16, 64, seed=1),
+    Workload("c=8", 8, 256, 64, 256, seed=2),
+    Workload("c=32", 32, 256, 64, 384, seed=3),
 ]
 # Run on each target before the measured workloads, not recorded: the first requests after a
 # start meet cold paths (connections, handles, kernels for new shapes) in every target alike.
-WARM_UP = [Workload("warm-up c=1", 1, 32, 16, 8), Workload("warm-up c=8", 8, 256, 64, 16)]
-QUICK = [Workload("c=1", 1, 32, 16, 12), Workload("c=8", 8, 256, 64, 32), Workload("c=32", 32, 256, 64, 64)]
+WARM_UP = [Workload("warm-up c=1", 1, 32, 16, 8, seed=101), Workload("warm-up c=8", 8, 256, 64, 16, seed=102)]
+QUICK = [Workload("c=1", 1, 32, 16, 12, seed=1), Workload("c=8", 8, 256, 64, 32, seed=2), Workload("c=32", 32, 256, 64, 64, seed=3)]
 
 
 def base_env() -> dict[str, str]:
@@ -167,6 +176,8 @@ def started(cmd: list[str], env: dict[str, str], log: Path, health_url: str, rep
     stopped by SIGTERM (and SIGKILL of its group if it lingers) after, also when the benchmark
     itself is stopped by SIGTERM (its own session would otherwise outlive it, holding ports)."""
     env = {**env, "PYTHONPATH": str(repo)} if repo != REPO_ROOT else env
+    expected = engines_expected(cmd)
+    base_url = health_url.rsplit("/", 1)[0]
     others = serving_pids()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=repo, start_new_session=True)
@@ -177,7 +188,7 @@ def started(cmd: list[str], env: dict[str, str], log: Path, health_url: str, rep
             if proc.poll() is not None:
                 raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; its log ends:\n{log_tail(log)}")
             with contextlib.suppress(requests.RequestException):
-                if requests.get(health_url, timeout=2).status_code == 200:
+                if requests.get(health_url, timeout=2).status_code == 200 and engines_joined(base_url, expected):
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{' '.join(cmd)} not healthy within {timeout_s}s; its log ends:\n{log_tail(log)}")
@@ -194,6 +205,32 @@ def started(cmd: list[str], env: dict[str, str], log: Path, health_url: str, rep
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         wait_for_no_engines(others)
+
+
+def engines_expected(cmd: list[str]) -> dict[str, int]:
+    """The engines per role a ``serve run CONFIG.yaml`` command starts with (empty for any other
+    command): the router answers /health once one decode engine is in, and the others join as
+    Serve lists them; until a prefill engine has, a disaggregated app serves colocated."""
+    from serve_app.config.settings import load_config
+
+    if len(cmd) < 3 or cmd[-2] != "run" or not cmd[-1].endswith(".yaml"):
+        return {}
+    (app,) = yaml.safe_load(Path(cmd[-1]).read_text())["applications"]
+    config = load_config(app.get("args") or {})
+    return {"prefill": config.prefill.initial_replicas if config.has_prefill() else 0, "decode": config.decode.initial_replicas}
+
+
+def engines_joined(base_url: str, expected: dict[str, int]) -> bool:
+    """Whether the router at ``base_url`` lists at least ``expected`` healthy engines per role
+    (``/pd/engines``, the view any client has)."""
+    if not any(expected.values()):
+        return True
+    try:
+        engines = requests.get(f"{base_url}/pd/engines", timeout=5).json()["engines"]
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return False
+    healthy = [engine["role"] for engine in engines.values() if engine.get("healthy")]
+    return all(healthy.count(role) >= count for role, count in expected.items())
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -285,9 +322,11 @@ def vllm_server_command(port: int) -> tuple[list[str], dict[str, str]]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             cmd.append(flag)
+        elif value is False:  # vLLM's boolean arguments take --no-<name>
+            cmd.append("--no-" + key.replace("_", "-"))
         elif isinstance(value, list):
             cmd += [flag, *map(str, value)]
-        elif value is not False and value is not None:
+        elif value is not None:
             cmd += [flag, str(value)]
     return cmd, {**base_env(), **env}
 
@@ -353,7 +392,7 @@ def bench(port: int, workload: Workload, tokenizer: str, served_name: str) -> di
             "--ignore-eos",
             "--temperature", "0",
             "--num-warmups", "2",
-            "--seed", "0",
+            "--seed", str(workload.seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el",
         ],
     )  # fmt: skip
@@ -678,13 +717,21 @@ def main(argv: list[str]) -> int:
         print(json.dumps(measured))
         return 0
     workloads = QUICK if args.quick else WORKLOADS
-    OVERRIDES.update(parse_sets(args.set))
+    OVERRIDES.update({**RUN_DEFAULTS, **parse_sets(args.set)})
     rounds: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="pdbench-") as tmp:
         workdir = Path(tmp)
-        for number in range(1, args.rounds + 1):
-            print(f"== round {number} of {args.rounds}", file=sys.stderr)
-            rounds.append({t: run_target(t, workloads, workdir, args.repo.resolve(), args.repeat) for t in args.targets.split(",")})
+        try:
+            for number in range(1, args.rounds + 1):
+                print(f"== round {number} of {args.rounds}", file=sys.stderr)
+                rounds.append({})
+                for target in args.targets.split(","):
+                    rounds[-1][target] = run_target(target, workloads, workdir, args.repo.resolve(), args.repeat)
+        except Exception as exc:  # a target that did not start: keep what the others measured
+            print(f"== stopped: {exc!r}", file=sys.stderr)
+            if args.out:
+                args.out.write_text(json.dumps({"rounds": rounds, "error": repr(exc)}, indent=2, default=str))
+            return 2
         results = merge_rounds(rounds, workloads)
         table = report(results, workloads)
     print(table)

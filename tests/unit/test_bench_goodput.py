@@ -183,3 +183,47 @@ def test_a_long_prompt_alone_is_reported_as_medians_with_their_spread(goodput, t
     assert goodput.main(["--report", str(path)]) == 0
     out = capsys.readouterr().out
     assert "(3 one at a time, medians and ranges): disaggregated TTFT 120 ms (115-130 ms)," in out and expected in out
+
+
+def test_a_knee_past_the_rates_tried_makes_its_ratio_a_bound(goodput):
+    """vLLM's knee past the highest rate tried is at least that rate: a ratio to it was printed as
+    exact, overstating the other target."""
+    assert goodput.knee_ratio((16.4, True), (20.0, False)) == "<= 0.82x"
+    assert goodput.knee_ratio((20.0, False), (16.4, True)) == ">= 1.22x"
+    assert goodput.knee_ratio((8.4, True), (8.0, True)) == "1.05x"
+    assert goodput.knee_ratio((20.0, False), (20.0, False)) == "n/a" and goodput.knee_ratio((0.0, False), (8.0, True)) == "n/a"
+
+
+def test_ttft_is_the_first_chunk_that_brings_tokens_text_or_not(goodput):
+    """As vLLM's client times it: a first token without text of its own (a third of the medium
+    model's vocabulary decodes to nothing alone) stopped no clock, and TTFT took in decode steps."""
+    import asyncio
+
+    from aiohttp import web
+
+    async def stream(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": "", "token_ids": [900]}]}\n\n')
+        await asyncio.sleep(0.3)
+        for _ in range(goodput.OUT - 1):
+            await response.write(b'data: {"choices": [{"text": "a", "token_ids": [5]}]}\n\n')
+        await response.write(b'data: {"choices": [], "usage": {"completion_tokens": %d}}\n\ndata: [DONE]\n\n' % goodput.OUT)
+        return response
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            (outcome,), _ = await asyncio.to_thread(lambda: asyncio.run(goodput.drive(port, [goodput.Request(0.0, [1, 2], False)])))
+        finally:
+            await runner.cleanup()
+        return outcome
+
+    outcome = asyncio.run(main())
+    assert outcome.ok and outcome.ttft_s < 0.25 and outcome.first_chunk_tokens == 1

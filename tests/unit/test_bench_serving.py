@@ -203,3 +203,40 @@ def test_vllms_server_runs_the_engine_arguments_without_pd_serves_plug_ins(bench
     assert not any("serve_app" in a for a in cmd), cmd
     assert "--logits-processors" not in cmd and "--scheduler-cls" not in cmd
     assert cmd[cmd.index("--max-num-seqs") + 1] == "64"
+
+
+def test_every_workload_draws_its_own_prompts(bench, monkeypatch):
+    """vLLM's random dataset draws each prompt's start from the seed: with one seed for all, the
+    warm-up's prompts were the c=8 workload's first ones and c=32's first draws c=8's, whole
+    prompts the engines held in their prefix caches (74% of c=32's on the tiny model)."""
+    seen = []
+    monkeypatch.setattr(bench, "vllm_client", lambda port, name, tok, argv: seen.append(argv[argv.index("--seed") + 1]) or {})
+    for workload in (*bench.WARM_UP, *bench.WORKLOADS):
+        bench.bench(8000, workload, "tok", "name")
+    assert len(set(seen)) == len(seen) == len(bench.WARM_UP) + len(bench.WORKLOADS)
+    assert [w.seed for w in bench.QUICK] == [w.seed for w in bench.WORKLOADS]
+
+
+def test_vllms_server_gets_a_false_engine_argument_too(bench, monkeypatch):
+    """A False argument was left out, so vLLM's server kept its default (prefix caching on) while
+    pd-serve's engines ran without."""
+    monkeypatch.setitem(bench.OVERRIDES, "decode.engine_kwargs", {"enable_prefix_caching": False})
+    cmd, _ = bench.vllm_server_command(8000)
+    assert "--no-enable-prefix-caching" in cmd and "--enable-prefix-caching" not in cmd
+
+
+def test_a_serve_target_is_measured_once_every_engine_it_starts_with_has_joined(bench, tmp_path, monkeypatch):
+    """The router answers /health once one decode engine is in; a disaggregated app then served
+    colocated until its prefill engine joined, and the first measurements were of that."""
+    path = tmp_path / "app.yaml"
+    path.write_text(bench.yaml.safe_dump({"applications": [{"args": {"prefill": {"num_replicas": 2}, "decode": {"num_replicas": 1}}}]}))
+    expected = bench.engines_expected(["serve", "run", str(path)])
+    assert expected == {"prefill": 2, "decode": 1}
+    assert bench.engines_expected(["python", "-m", "vllm.entrypoints.openai.api_server"]) == {}
+    listed = {"decode-0": {"role": "decode", "healthy": True}, "prefill-0": {"role": "prefill", "healthy": True}}
+    monkeypatch.setattr(bench.requests, "get", lambda url, timeout: SimpleNamespace(json=lambda: {"engines": listed}))
+    assert not bench.engines_joined("http://x", expected)
+    listed["prefill-1"] = {"role": "prefill", "healthy": False}
+    assert not bench.engines_joined("http://x", expected)
+    listed["prefill-1"]["healthy"] = True
+    assert bench.engines_joined("http://x", expected) and bench.engines_joined("http://x", {})
