@@ -68,9 +68,9 @@ def _warn_if_cluster_is_short(config: Any) -> None:
 
 
 def _warn_if_prefill_idle(config: Any) -> None:
-    idle = config.idle_prefill()
-    if idle:
-        logger.warning("pd-serve config: %s", idle)
+    for problem in (config.idle_prefill(), config.side_channel_short()):
+        if problem:
+            logger.warning("pd-serve config: %s", problem)
 
 
 def _check_tool_parser(config: Any) -> None:

@@ -638,6 +638,28 @@ class AppConfig(_Strict):
             "replicas beyond what it can place stay PENDING until nodes join"
         )
 
+    def side_channel_short(self) -> str | None:
+        """Why a decode engine's KV side channel may refuse prefill engines (None: it will not):
+        each prefill worker keeps one connection to every decode engine, a rolling update runs
+        twice the pool for a while, and the engines of one host all connect from one address. A
+        warning: prefill engines on several hosts divide the per-address count."""
+        from serve_app.wire.kv_limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_PEER
+
+        if self.backend != "cpu" or not self.has_prefill():
+            return None
+        extra = self.kv_connector_extra_config
+        total = extra.get("max_connections", DEFAULT_MAX_CONNECTIONS)
+        per_peer = extra.get("max_connections_per_peer", DEFAULT_MAX_CONNECTIONS_PER_PEER)
+        most = 2 * self.prefill.max_replicas
+        if most <= min(total, per_peer):
+            return None
+        return (
+            f"up to {most} prefill engines (twice prefill's most, {self.prefill.max_replicas}, during a rolling update) "
+            f"each keep a connection to every decode engine, whose KV side channel takes {total} in all and {per_peer} "
+            "from one address (kv_connector_extra_config max_connections, max_connections_per_peer): engines past them "
+            "are refused and their pushes fail; raise them"
+        )
+
     def idle_prefill(self) -> str | None:
         """Why the prefill engines would start and never work (None: they would work). Colocated
         mode sends prefill nothing, yet its replicas start, each with a vLLM engine and, on the

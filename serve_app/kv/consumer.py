@@ -59,6 +59,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import select
 import socket
 import threading
 import time
@@ -97,6 +98,7 @@ OVERFLOW_MEMORY = 1024
 OVERFLOW_SECRETS = 4  # secrets remembered per transfer whose early frames were dropped
 FRAME_OVERHEAD = 512  # what a queued frame costs besides its payload
 TICK_S = 0.1  # how often deadlines (handshakes, early frames) are checked
+FRAME_READ_S = 30.0  # the longest wait for the next bytes of a frame begun (not between frames)
 ACCEPT_RETRY_S = 0.05  # after a failed accept (EMFILE, ENOBUFS): wait, then go on accepting
 LOG_INTERVAL_S = 10.0  # at most one line per interval about refused or broken connections
 
@@ -398,10 +400,17 @@ class ConsumerWorker:
 
     # ------------------------------------------------------------------ receiving threads
     def _serve(self, conn: Conn) -> None:
-        """Read frames from one connection until it ends or breaks a rule."""
+        """Read frames from one connection until it ends or breaks a rule. Between frames it may
+        idle as long as it likes (keepalive ends a lost host's); within a frame each read has
+        ``FRAME_READ_S``: a sender that stalls halfway (a hung prefill process on a live host)
+        would otherwise hold this thread, its slot and any early reservation for good."""
         reason = "the sender closed the connection"
         try:
+            poller = select.poll()  # not select(): a worker's descriptors can pass FD_SETSIZE
+            poller.register(conn.sock, select.POLLIN)
+            conn.sock.settimeout(FRAME_READ_S)
             while True:
+                poller.poll()
                 pre = read_preamble(conn.sock)
                 if pre is None:
                     return
@@ -463,6 +472,8 @@ class ConsumerWorker:
                     problem = self._frame_problem(header, payload_len, None)
                     if problem is not None:
                         raise WireError(problem)
+                    if conn.trusted and self._overflowed_with(tid, header.secret):
+                        return "drop"  # its transfer fails when armed; the connection's others go on
                     now = time.monotonic()
                     self._expire_early(now)
                     why = self._no_room(conn, tid, size)
@@ -473,7 +484,14 @@ class ConsumerWorker:
                     if conn.closed or self._closing:
                         raise WireError("the receiver closed the connection")
                     if now >= deadline:
-                        self._overflow(tid, f"{why} for {self.s.early_wait_s:g}s", header.secret)
+                        why = f"{why} for {self.s.early_wait_s:g}s"
+                        if conn.trusted:
+                            # A producer's connection carries its other transfers to this engine
+                            # too: only this frame's transfer fails (when it is armed).
+                            self._remember_overflow(tid, why, [header.secret])
+                            self.rejected_frames += 1
+                            return "drop"
+                        self._overflow(tid, why, header.secret)
                     self._room.wait(min(TICK_S, deadline - now))
             finally:
                 conn.admitting = False
@@ -701,6 +719,11 @@ class ConsumerWorker:
         if not conn.trusted and not conn.closed:
             conn.shut()
             self.server.refusals.note(f"closed a connection from {conn.peer} whose frames named transfers never armed")
+
+    def _overflowed_with(self, tid: str, secret: str) -> bool:
+        """Whether frames of ``tid`` carrying ``secret`` were dropped unarmed already."""
+        record = self._overflowed.get(tid)
+        return record is not None and _digest(secret) in record[1]
 
     def _remember_overflow(self, tid: str, why: str, secrets: Iterable[str]) -> None:
         """Remember that frames naming ``tid`` were dropped unarmed, and the secrets they carried:

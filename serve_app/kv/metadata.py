@@ -11,15 +11,13 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from serve_app.wire.kv_limits import EXTRA_LIMITS
+from serve_app.wire.kv_limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_PEER, EXTRA_LIMITS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 # Defaults of the kv_connector_extra_config keys this connector reads.
 DEFAULT_RECV_TIMEOUT_S = 60.0
-DEFAULT_MAX_CONNECTIONS = 32
-DEFAULT_MAX_CONNECTIONS_PER_PEER = 16
 DEFAULT_MAX_PENDING_CONNECTIONS = 32
 DEFAULT_MAX_PENDING_PER_PEER = 16
 DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0

@@ -5,6 +5,11 @@ or the connector."""
 
 from __future__ import annotations
 
+# The connection bounds' defaults (kv.metadata.Settings has the others): the app's config weighs
+# the prefill pool against them without importing the connector.
+DEFAULT_MAX_CONNECTIONS = 32
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 16
+
 EXTRA_LIMITS: dict[str, type] = {
     "max_connections": int,
     "max_connections_per_peer": int,

@@ -334,3 +334,14 @@ def test_a_tool_call_parser_is_checked_when_the_app_is_built():
     with pytest.raises(ConfigError, match="name it in router.tool_call_parser"):
         load_config({"router": {"tool_parser_plugin": "/opt/parsers/mine.py"}})
     assert load_config({"router": {"tool_call_parser": "hermes"}}).router.tool_call_parser == "hermes"
+
+
+def test_a_prefill_pool_past_the_kv_side_channels_connection_bounds_is_named():
+    """Each prefill worker keeps a connection to every decode engine: a 17th prefill engine on one
+    host (a rolling update of 9 doubles them) was refused by every decode engine, for good."""
+    assert load_config({}).side_channel_short() is None
+    big = {"prefill": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 9}}}
+    assert "up to 18 prefill engines" in load_config(big).side_channel_short()
+    raised = {**big, "kv_connector_extra_config": {"max_connections": 64, "max_connections_per_peer": 32}}
+    assert load_config(raised).side_channel_short() is None
+    assert load_config({**big, "backend": "ascend", "model": "/m"}).side_channel_short() is None  # Mooncake's own channel
