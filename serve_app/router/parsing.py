@@ -1021,8 +1021,7 @@ def chat_prompt_text(request: Any, ctx: ModelContext, *, bounded: bool) -> str:
         # Before the tokenizer spends seconds on it: one string operation of a client's template
         # (a repeat) is not interrupted by its time limit.
         raise bad_request(
-            f"The chat template rendered {len(text)} characters, more than this server tokenizes for one prompt "
-            f"({ctx.max_render_chars})",
+            f"The chat template rendered {len(text)} characters; this server tokenizes at most {ctx.max_render_chars} for one prompt",
             param="messages",
         )
     return text

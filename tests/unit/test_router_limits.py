@@ -609,7 +609,7 @@ def test_what_a_trusted_template_renders_to_truncate_is_bounded_before_it_is_tok
     repeat = ctx.max_render_chars // 3 + 1
     with mock.patch.object(ctx, "encode", side_effect=AssertionError("tokenized")), pytest.raises(OpenAIError) as err:
         parse_request("chat", {"messages": messages, "chat_template": f"{{{{ 'ab ' * {repeat} }}}}", "truncate_prompt_tokens": 8}, ctx)
-    assert err.value.status == 400 and err.value.param == "messages" and "more than this server tokenizes" in str(err.value)
+    assert err.value.status == 400 and err.value.param == "messages" and "tokenizes at most" in str(err.value)
     # Within the bound, longer than the context: truncated as asked.
     fits = ctx.max_prompt_chars // 3 + 10
     parsed = parse_request("chat", {"messages": messages, "chat_template": f"{{{{ 'ab ' * {fits} }}}}", "truncate_prompt_tokens": 8}, ctx)
