@@ -288,15 +288,15 @@ def pool_spec(config: AppConfig, role: Role, kv_connector: str | None = None) ->
 def pool_offset(config: AppConfig, role: Role) -> int:
     """The global index of a role's rank 0 in the round-robin thread binding: prefill engines
     first, then decode. Decode's comes after the most prefill engines there can be where the host
-    has a core for every engine the pools may grow to (no two ever share one); else after the
-    prefill engines the app starts with, so that those it starts with get a core each and the
-    engines added later wrap round (two pools of at most 2 on 2 cores: prefill-0 on core 0,
-    decode-0 on core 1, not both on 0)."""
+    has a core for every engine the pools may grow to (no two ever share one); else as late as
+    leaves decode's most engines a core each, but never before the prefill engines the app starts
+    with: those it starts with get a core each, and engines added later wrap round (two pools of
+    at most 2 on 2 cores: prefill-0 on core 0, decode-0 on core 1, not both on 0; prefill 1-12
+    and decode 1-8 on 16 cores: decode on cores 8-15, prefill's first 8 on 0-7)."""
     if role == "prefill" or not config.has_prefill():
         return 0
-    if config.prefill.max_replicas + config.decode.max_replicas <= len(usable_cores()):
-        return config.prefill.max_replicas
-    return config.prefill.initial_replicas
+    room = len(usable_cores()) - config.decode.max_replicas  # the cores before decode's, if decode's come last
+    return max(config.prefill.initial_replicas, min(config.prefill.max_replicas, room))
 
 
 def kv_port_offset(config: AppConfig, role: Role) -> int:
@@ -327,7 +327,7 @@ def replica_spec(
     kv_port = config.kv_port_base + port_index * KV_PORT_STRIDE
     if kv_port + KV_PORT_STRIDE > 65535:
         kv_port = config.kv_port_base  # a high rank: the fallback (cpu) finds a free port at start
-    env = {**backend.engine_env, **offline_env(backend, config.model)}
+    env = {**backend.engine_env, **offline_env(backend, config)}
     if backend.pins_cpu_threads:
         env["VLLM_CPU_OMP_THREADS_BIND"] = _thread_binding(group.cpu_bind, rank, index, cores)
         if env["VLLM_CPU_OMP_THREADS_BIND"] != "nobind":
@@ -355,15 +355,18 @@ def replica_spec(
     )
 
 
-def offline_env(backend: Backend, model: str) -> dict[str, str]:
-    """``HF_HUB_OFFLINE=1`` where ``backend`` says so and ``model`` is a directory here."""
-    return {"HF_HUB_OFFLINE": "1"} if backend.offline_local_model and os.path.isdir(model) else {}
+def offline_env(backend: Backend, config: AppConfig) -> dict[str, str]:
+    """``HF_HUB_OFFLINE=1`` where ``backend`` says so and the model, and any tokenizer or config
+    path the engine arguments name apart from it, are directories here."""
+    kwargs = {**config.prefill.engine_kwargs, **config.engine_kwargs, **config.decode.engine_kwargs}
+    sources = [config.model, *(str(kwargs[k]) for k in ("tokenizer", "hf_config_path") if kwargs.get(k))]
+    return {"HF_HUB_OFFLINE": "1"} if backend.offline_local_model and all(os.path.isdir(s) for s in sources) else {}
 
 
 def router_env(config: AppConfig) -> dict[str, str]:
     """The router replicas' environment: the backend's, and ``offline_env``."""
     backend = BACKENDS[config.backend]
-    return {**backend.router_env, **offline_env(backend, config.model)}
+    return {**backend.router_env, **offline_env(backend, config)}
 
 
 def engine_specs(config: AppConfig) -> list[EngineSpec]:

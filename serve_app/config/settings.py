@@ -504,7 +504,8 @@ class AppConfig(_Strict):
             for key, reason in why.items():
                 prefill = self.prefill.engine_kwargs.get(key, self.engine_kwargs.get(key))
                 decode = self.decode.engine_kwargs.get(key, self.engine_kwargs.get(key))
-                if prefill != decode:
+                default = MODEL_KWARGS.get(key)
+                if (default if prefill in (None, {}) else prefill) != (default if decode in (None, {}) else decode):
                     prefill, decode = ("unset" if v is None else repr(v) for v in (prefill, decode))
                     raise ValueError(
                         f"prefill's and decode's {key} differ ({prefill} and {decode}): {reason}; "
@@ -551,7 +552,7 @@ class AppConfig(_Strict):
                 f"{where('scheduler_cls')}.scheduler_cls: decode.recompute runs decode engines on pd-serve's RecomputeScheduler; "
                 "set decode.recompute: false to run another scheduler (decode then preempts and recomputes locally)"
             )
-        if self.backend == "ascend":
+        if self.backend == "ascend" and self.has_prefill():  # (colocated, its decode engines run without it)
             extra = kwargs.get("additional_config") or {}
             chunking = extra.get("profiling_chunk_config") or {}
             for key, on in (
@@ -743,8 +744,9 @@ class AppConfig(_Strict):
         """Where the router reads the model's config (its vocabulary size), as the engines do."""
         kwargs = {**self.engine_kwargs, **self.decode.engine_kwargs}
         options: dict[str, Any] = {"trust_remote_code": bool(kwargs.get("trust_remote_code", False))}
-        if kwargs.get("revision"):
-            options["revision"] = kwargs["revision"]
+        for key in ("revision", "code_revision"):
+            if kwargs.get(key):
+                options[key] = kwargs[key]
         return str(kwargs.get("hf_config_path") or self.model), options
 
     @property
@@ -806,20 +808,21 @@ APP_ENGINE_KWARGS = {
 }
 # What decides the bytes of a KV block: prefill's and decode's must match.
 KV_LAYOUT_KWARGS = ("block_size", "dtype", "kv_cache_dtype")
-# What decides the model the engines run, its weights and its tokenizer: the same for both roles.
-MODEL_KWARGS = (
-    "revision",
-    "code_revision",
-    "quantization",
-    "load_format",
-    "hf_overrides",
-    "hf_config_path",
-    "config_format",
-    "tokenizer",
-    "tokenizer_revision",
-    "tokenizer_mode",
-    "trust_remote_code",
-)
+# What decides the model the engines run, its weights and its tokenizer: the same for both roles
+# (each with vLLM's default, which an unset one has).
+MODEL_KWARGS: dict[str, Any] = {
+    "revision": None,
+    "code_revision": None,
+    "quantization": None,
+    "load_format": "auto",
+    "hf_overrides": None,
+    "hf_config_path": None,
+    "config_format": "auto",
+    "tokenizer": None,
+    "tokenizer_revision": None,
+    "tokenizer_mode": "auto",
+    "trust_remote_code": False,
+}
 
 
 class ConfigError(ValueError):

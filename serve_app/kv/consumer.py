@@ -98,7 +98,7 @@ OVERFLOW_MEMORY = 1024
 OVERFLOW_SECRETS = 4  # secrets remembered per transfer whose early frames were dropped
 FRAME_OVERHEAD = 512  # what a queued frame costs besides its payload
 TICK_S = 0.1  # how often deadlines (handshakes, early frames) are checked
-FRAME_READ_S = 30.0  # the longest wait for the next bytes of a frame begun (not between frames)
+FRAME_READ_S = 30.0  # the longest a frame may take from its first byte to its last (not between frames)
 ACCEPT_RETRY_S = 0.05  # after a failed accept (EMFILE, ENOBUFS): wait, then go on accepting
 LOG_INTERVAL_S = 10.0  # at most one line per interval about refused or broken connections
 
@@ -152,6 +152,8 @@ class Conn:
     trusted: bool = False  # sent a frame with an armed transfer's secret
     closed: bool = False
     admitting: bool = False  # its reading thread waits for room or for an arming
+    # monotonic: the frame being read (from its first byte) must be in by then; None between frames
+    frame_deadline: float | None = None
     bound: set[str] = field(default_factory=set)  # transfers that authenticated on it
     early_tids: set[str] = field(default_factory=set)  # unarmed transfers it holds frames (or a reservation) of
     early_bytes: int = 0
@@ -295,15 +297,20 @@ class FrameServer:
 
     def _close_late(self, now: float) -> None:
         """Close pending connections past their deadline: no frame header yet, or one that
-        holds nothing that waits for an arming either (its frames were dropped or expired)."""
+        holds nothing that waits for an arming either (its frames were dropped or expired); and
+        any connection whose frame begun has not come in whole within ``FRAME_READ_S``."""
         with self._lock:
             late = [c for c in self._pending if now > c.deadline and not (c.handshaken and (c.early_tids or c.admitting))]
             for conn in late:
                 del self._pending[conn]
             self.handshake_timeouts += len(late)
+            stalled = [c for c in (*self._pending, *self._trusted) if c.frame_deadline is not None and now > c.frame_deadline]
         for conn in late:
             conn.shut()
             self.refusals.note(f"closed a connection from {conn.peer} that did not authenticate within {self.s.handshake_timeout_s:g}s")
+        for conn in stalled:
+            conn.shut()
+            self.refusals.note(f"closed a connection from {conn.peer} whose frame did not come in whole within {FRAME_READ_S:g}s")
 
     def close(self) -> None:
         self._stop.set()
@@ -358,6 +365,7 @@ class Incoming:
     last_at: float | None = None
     received: int = 0  # layer frames admitted (queued), written or not
     received_layers: set[str] = field(default_factory=set)
+    received_blocks: dict[str, set[int]] = field(default_factory=dict)  # layer -> blocks admitted
     conns: list[Conn] = field(default_factory=list)  # where it authenticated: where its acks go
     acked: bool = False
 
@@ -401,16 +409,21 @@ class ConsumerWorker:
     # ------------------------------------------------------------------ receiving threads
     def _serve(self, conn: Conn) -> None:
         """Read frames from one connection until it ends or breaks a rule. Between frames it may
-        idle as long as it likes (keepalive ends a lost host's); within a frame each read has
-        ``FRAME_READ_S``: a sender that stalls halfway (a hung prefill process on a live host)
-        would otherwise hold this thread, its slot and any early reservation for good."""
+        idle as long as it likes (keepalive ends a lost host's); a frame begun must be in within
+        ``FRAME_READ_S`` (the wait for early-table room included): a sender that stalls halfway
+        (a hung prefill process on a live host) would otherwise hold this thread, its slot and
+        any early reservation for good."""
         reason = "the sender closed the connection"
         try:
             poller = select.poll()  # not select(): a worker's descriptors can pass FD_SETSIZE
             poller.register(conn.sock, select.POLLIN)
-            conn.sock.settimeout(FRAME_READ_S)
             while True:
+                conn.frame_deadline = None
                 poller.poll()
+                # From its first byte, a frame must be in within FRAME_READ_S (the deadlines'
+                # thread closes the connection past it): no socket timeout, which would make
+                # send_now wait for room to write.
+                conn.frame_deadline = time.monotonic() + FRAME_READ_S
                 pre = read_preamble(conn.sock)
                 if pre is None:
                     return
@@ -473,7 +486,7 @@ class ConsumerWorker:
                     if problem is not None:
                         raise WireError(problem)
                     if conn.trusted and self._overflowed_with(tid, header.secret):
-                        return "drop"  # its transfer fails when armed; the connection's others go on
+                        return self._drop_overflowed(conn, header)  # it fails when armed; the connection's others go on
                     now = time.monotonic()
                     self._expire_early(now)
                     why = self._no_room(conn, tid, size)
@@ -490,7 +503,7 @@ class ConsumerWorker:
                             # too: only this frame's transfer fails (when it is armed).
                             self._remember_overflow(tid, why, [header.secret])
                             self.rejected_frames += 1
-                            return "drop"
+                            return self._drop_overflowed(conn, header)
                         self._overflow(tid, why, header.secret)
                     self._room.wait(min(TICK_S, deadline - now))
             finally:
@@ -575,6 +588,7 @@ class ConsumerWorker:
         if isinstance(header, LayerHeader):
             state.received += 1
             state.received_layers.add(header.layer)
+            state.received_blocks.setdefault(header.layer, set()).update(header.block_ids)
         elif isinstance(header, DoneHeader):
             missing = self._missing(state, header.frames)
             if missing is not None:
@@ -588,7 +602,12 @@ class ConsumerWorker:
             return f"{state.received} of {frames} frames arrived before the done frame"
         if len(state.received_layers) < len(self.kv.layers):
             return f"{len(state.received_layers)} of {len(self.kv.layers)} layers arrived"
-        return None
+        return self._lacking(state, state.received_blocks)
+
+    def _lacking(self, state: Incoming, blocks: dict[str, set[int]]) -> str | None:
+        """Why the frames in ``blocks`` (layer -> blocks) do not fill the prompt, or None."""
+        short = sum(1 for layer in self.kv.layers if not state.needed <= blocks.get(layer, set()))
+        return f"{short} of {len(self.kv.layers)} layers lack some of the prompt's {len(state.needed)} blocks" if short else None
 
     def _ack(self, tid: str, ok: bool, reason: str = "") -> bytes:
         geometry = self.kv.geometry
@@ -719,6 +738,14 @@ class ConsumerWorker:
         if not conn.trusted and not conn.closed:
             conn.shut()
             self.server.refusals.note(f"closed a connection from {conn.peer} whose frames named transfers never armed")
+
+    def _drop_overflowed(self, conn: Conn, header: Header) -> str:
+        """Drop a frame of a transfer whose early frames were dropped; its done frame is answered
+        now, so that its producer does not wait out its acknowledgement."""
+        if isinstance(header, DoneHeader):
+            why = self._overflowed[header.transfer][0]
+            self._outbox.append((conn, self._ack(header.transfer, False, f"its frames were dropped: {why}")))
+        return "drop"
 
     def _overflowed_with(self, tid: str, secret: str) -> bool:
         """Whether frames of ``tid`` carrying ``secret`` were dropped unarmed already."""
@@ -867,11 +894,11 @@ class ConsumerWorker:
         if self._waiting.get(tid) is not state:
             return
         if state.failed is None and state.expected_frames is not None and state.frames >= state.expected_frames:
-            short = sum(1 for layer in self.kv.layers if not state.needed <= state.written.get(layer, set()))
+            lacking = self._lacking(state, state.written)
             if len(state.layers) < len(self.kv.layers):
                 state.failed = f"{len(state.layers)} of {len(self.kv.layers)} layers arrived"
-            elif short:
-                state.failed = f"{short} of {len(self.kv.layers)} layers lack some of the prompt's {len(state.needed)} blocks"
+            elif lacking is not None:
+                state.failed = lacking
             else:
                 del self._waiting[tid]
                 self._by_req.pop(req_id, None)

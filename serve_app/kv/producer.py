@@ -218,7 +218,8 @@ class ProducerWorker:
         self._open: dict[str, SendSpec] = {}  # engine request id -> its transfer's latest chunk, until it ends
         # Transfers that failed before their prompt's last chunk: its later chunks send nothing (a
         # push that went on after a lost chunk would end with a done frame counting only the
-        # frames after it), until the request's last chunk or its end.
+        # frames after it), until its last chunk; one whose request is aborted meanwhile sends
+        # no more chunks and is forgotten among the oldest (DEAD_MEMORY).
         self._dead: OrderedDict[str, None] = OrderedDict()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -331,6 +332,7 @@ class ProducerWorker:
             except OSError:
                 pass  # decode fails it at its deadline
             self._finish(spec, reason)
+            self._dead.pop(spec.transfer_id, None)  # its request is over: no chunk follows
 
     def _failed_frame(self, spec: SendSpec, reason: str) -> list[bytes | memoryview]:
         return encode_frame(KIND_FAILED, self.compat, {"transfer": spec.transfer_id, "secret": spec.secret, "reason": reason})

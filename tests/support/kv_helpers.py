@@ -11,7 +11,19 @@ import torch
 
 from serve_app.kv.consumer import ConsumerWorker
 from serve_app.kv.metadata import LayerwiseMetadata, RecvSpec, Settings
-from serve_app.kv.wire import KIND_DONE, KIND_FAILED, KIND_LAYER, KVGeometry, encode_frame, tensor_bytes
+from serve_app.kv.wire import (
+    KIND_DONE,
+    KIND_FAILED,
+    KIND_LAYER,
+    TO_PREFILL,
+    AckHeader,
+    KVGeometry,
+    encode_frame,
+    parse_ack,
+    read_preamble,
+    recv_exact,
+    tensor_bytes,
+)
 from serve_app.runtime import ports
 
 HOST = "127.0.0.1"
@@ -139,6 +151,13 @@ class Peer:
 
     def failed(self, tid: str, secret: str, reason: str = "prefill died") -> None:
         self.send(encode_frame(KIND_FAILED, compat(), {"transfer": tid, "secret": secret, "reason": reason}))
+
+    def ack(self, timeout_s: float = WAIT_S) -> AckHeader:
+        """The next acknowledgement the consumer sent back on this connection."""
+        self.sock.settimeout(timeout_s)
+        pre = read_preamble(self.sock, TO_PREFILL)
+        assert pre is not None, "the consumer closed the connection"
+        return parse_ack(recv_exact(self.sock, pre.header_len))
 
     def closed_by_peer(self, timeout_s: float = WAIT_S) -> bool:
         """True once the consumer has closed this connection."""

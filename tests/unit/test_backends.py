@@ -393,6 +393,15 @@ def test_auto_binding_gives_the_engines_the_app_starts_with_a_core_each(monkeypa
     monkeypatch.setattr(backends, "usable_cores", lambda: list(range(8)))
     grown = [replica_spec(config, role, rank).env["VLLM_CPU_OMP_THREADS_BIND"] for role in ("prefill", "decode") for rank in range(2)]
     assert grown == ["0", "1", "2", "3"]
+    # Where it has not, decode's most engines still get cores of their own, and the prefill
+    # engines added first do not land on decode's.
+    monkeypatch.setattr(backends, "usable_cores", lambda: list(range(16)))
+    big = load_config(
+        {"prefill": {"autoscaling_config": {"max_replicas": 12}}, "decode": {"autoscaling_config": {"max_replicas": 8}}}
+    )
+    prefill = [replica_spec(big, "prefill", rank).env["VLLM_CPU_OMP_THREADS_BIND"] for rank in range(8)]
+    decode = [replica_spec(big, "decode", rank).env["VLLM_CPU_OMP_THREADS_BIND"] for rank in range(8)]
+    assert prefill == [str(c) for c in range(8)] and decode == [str(c) for c in range(8, 16)]
 
 
 def test_auto_binding_stays_within_the_cores_the_process_may_use(monkeypatch):
@@ -414,6 +423,8 @@ def test_replicas_stay_off_the_hub_only_for_a_model_in_a_local_directory(tmp_pat
     local = load_config({"model": str(tmp_path)})
     assert router_env(local)["HF_HUB_OFFLINE"] == "1"
     assert all(s.env["HF_HUB_OFFLINE"] == "1" for s in engine_specs(local))
+    hub_tokenizer = load_config({"model": str(tmp_path), "engine_kwargs": {"tokenizer": "Qwen/Qwen2.5-0.5B-Instruct"}})
+    assert "HF_HUB_OFFLINE" not in router_env(hub_tokenizer)  # the router fetches the tokenizer
     hub = load_config({"model": "Qwen/Qwen2.5-0.5B-Instruct"})
     assert "HF_HUB_OFFLINE" not in router_env(hub)
     assert all("HF_HUB_OFFLINE" not in s.env for s in engine_specs(hub))

@@ -134,6 +134,9 @@ def test_both_roles_must_run_one_model(key, value):
     with pytest.raises(ConfigError, match=f"prefill's and decode's {key} differ .*both must run one model"):
         load_config({"prefill": {"engine_kwargs": {key: value}}})
     assert load_config({"engine_kwargs": {key: value}}).engine_kwargs[key] == value
+    # Unset on one role and vLLM's default on the other is one model.
+    for key, default in (("trust_remote_code", False), ("load_format", "auto"), ("tokenizer_mode", "auto")):
+        assert load_config({"decode": {"engine_kwargs": {key: default}}}).decode.engine_kwargs[key] == default
 
 
 def test_the_router_loads_the_engines_tokenizer():
@@ -196,6 +199,9 @@ def test_settings_that_would_replace_the_recompute_scheduler_are_refused():
             load_config({**ascend, "decode": {"engine_kwargs": {"additional_config": extra}}})
         assert load_config({**ascend, "decode": {"recompute": False, "engine_kwargs": {"additional_config": extra}}})
     assert load_config({**ascend, "decode": {"engine_kwargs": {"additional_config": {"SLO_limits_for_dynamic_batch": -1}}}})
+    # A colocated Ascend app's decode engines run without the recompute scheduler anyway.
+    colocated = {**ascend, "prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}}
+    assert load_config({**colocated, "decode": {"engine_kwargs": {"additional_config": {"SLO_limits_for_dynamic_batch": 50}}}})
 
 
 def test_parallelism_a_replica_cannot_hold_is_refused_at_load():

@@ -623,25 +623,28 @@ def test_the_receiver_goes_on_accepting_after_a_failed_accept(monkeypatch):
         consumer.close()
 
 
-def test_a_sender_that_stalls_halfway_through_a_frame_is_cut_off(monkeypatch):
-    """No read had a deadline once a frame had begun: a sender stalled halfway (a hung prefill
-    process on a live host, which keepalive never ends) held its thread, its connection and the
-    early-table bytes reserved for its frame for good (the handshake deadline and the early
-    frames' expiry both leave a frame being read alone)."""
+def test_a_producer_that_stalls_halfway_through_a_frame_is_cut_off(monkeypatch):
+    """Nothing bounded a frame once begun: a producer stalled halfway (a hung prefill process on a
+    live host, which keepalive never ends) held its thread and connection for good, and its
+    transfer waited out its deadline (the handshake deadline and the early frames' expiry leave
+    an authenticated connection alone)."""
     from serve_app.kv import consumer as consumer_module
 
     monkeypatch.setattr(consumer_module, "FRAME_READ_S", 0.5)
-    consumer = ConsumerWorker(settings(early_ttl_s=0.2))
+    consumer = ConsumerWorker(settings())
     consumer.register_kv_caches(patterned_caches(seed=1))
     try:
+        secret = arm(consumer, "d-1", "t-1", [0, 1])
+        data = layer_data(2, seed=3)
         peer = Peer(port_of(consumer))
-        header = {"transfer": "t-early", "secret": "s", "layer": LAYERS[0], "block_ids": [1]}
-        payload = tensor_bytes(layer_data(1, seed=2)[LAYERS[0]])
-        frame = b"".join(bytes(part) for part in encode_frame(KIND_LAYER, compat(), header, [payload]))
-        peer.send([frame[: len(frame) - BLOCK_BYTES // 2]])  # the header and half the payload, then nothing
-        wait_for(lambda: consumer._early_bytes > 0)
+        peer.layer("t-1", secret, [0, 1], data[LAYERS[0]], layer=LAYERS[0])  # authenticated: a producer's
+        header = {"transfer": "t-1", "secret": secret, "layer": LAYERS[1], "block_ids": [0, 1]}
+        frame = b"".join(bytes(part) for part in encode_frame(KIND_LAYER, compat(), header, [tensor_bytes(data[LAYERS[1]])]))
+        peer.send([frame[: len(frame) - BLOCK_BYTES]])  # the next frame but its last block, then nothing
+        started = time.monotonic()
         assert peer.closed_by_peer(timeout_s=5.0)
-        wait_for(lambda: consumer._early_bytes == 0)
+        finished, failed = poll_until(consumer, "d-1")
+        assert failed == {"d-1"} and time.monotonic() - started < 5.0  # not the 30 s receive deadline
     finally:
         consumer.close()
 
@@ -659,6 +662,9 @@ def test_an_unarmed_transfers_overflow_on_a_producers_connection_fails_that_tran
         peer.layer("t-1", s1, [0, 1], data[LAYERS[0]], layer=LAYERS[0])  # t-1 armed: the connection is a producer's
         for _ in range(3):  # t-2 not armed yet: its frames overflow the connection's share
             peer.layer("t-2", "secret-of-t-2", [4, 5], data[LAYERS[0]], layer=LAYERS[0])
+        peer.done("t-2", "secret-of-t-2", frames=3)
+        ack = peer.ack(timeout_s=2.0)  # answered at once: its producer does not wait out the ack
+        assert ack.transfer == "t-2" and not ack.ok and "dropped" in ack.reason
         peer.layer("t-1", s1, [0, 1], data[LAYERS[1]], layer=LAYERS[1])
         peer.done("t-1", s1, frames=2)
         finished, failed = poll_until(consumer, "d-1")
