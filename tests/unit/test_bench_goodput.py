@@ -201,6 +201,8 @@ def test_ttft_is_the_first_chunk_that_brings_tokens_text_or_not(goodput):
 
     from aiohttp import web
 
+    from tests.support.local_http import serving
+
     async def stream(request):
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
@@ -212,17 +214,8 @@ def test_ttft_is_the_first_chunk_that_brings_tokens_text_or_not(goodput):
         return response
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/v1/completions", stream)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
+        async with serving("/v1/completions", stream) as port:
             (outcome,), _ = await asyncio.to_thread(lambda: asyncio.run(goodput.drive(port, [goodput.Request(0.0, [1, 2], False)])))
-        finally:
-            await runner.cleanup()
         return outcome
 
     outcome = asyncio.run(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from serve_app.engines.records import push_timeline, receive_timeline
+from tests.support.local_http import serving
 from tests.support.scripts import scripts_loaded
 
 
@@ -88,17 +89,8 @@ def test_requests_are_sent_one_at_a_time_or_from_that_many_clients_back_to_back(
         return response
 
     async def run() -> list:
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
+        async with serving("/v1/completions", completions) as port:
             return await handoff.send_all(f"http://127.0.0.1:{port}", "m", 4, 7, 0.0, concurrency=concurrency, max_tokens=5)
-        finally:
-            await runner.cleanup()
 
     sent = asyncio.run(run())
     assert len(sent) == 7 and seen["requests"] == 10 and seen["most"] == concurrency and seen["max_tokens"] == {5}

@@ -17,6 +17,7 @@ from serve_app.router.engine_client import EngineCallFailed, EngineUnreachable
 from serve_app.wire.frames import CallError, FrameReader, WireError, decode_request, encode_frame, encode_request
 from serve_app.wire.protocol import EngineRejected, EngineRequest, KVReady, PrefillResult, TokenDelta, TokenLogprob
 from tests.support.inprocess import PROMPT, App, args, completion, expected, leased, run, tokens_of, wait_until
+from tests.support.local_http import serving
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -339,22 +340,15 @@ def test_an_answer_nested_too_deep_fails_the_call_not_the_router():
         return web.Response(body=frame)
 
     async def main() -> str:
-        app = web.Application()
-        app.router.add_post(GENERATE_PATH, answer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        client = EngineClient()
-        try:
-            endpoint = EngineCallEndpoint(url=f"http://127.0.0.1:{port}", token="t")
-            with pytest.raises(EngineCallFailed) as caught:
-                await anext(client.stream(endpoint, EngineRequest("r-1", [1], b"")))
-            return str(caught.value)
-        finally:
-            await client.close()
-            await runner.cleanup()
+        async with serving(GENERATE_PATH, answer) as port:
+            client = EngineClient()
+            try:
+                endpoint = EngineCallEndpoint(url=f"http://127.0.0.1:{port}", token="t")
+                with pytest.raises(EngineCallFailed) as caught:
+                    await anext(client.stream(endpoint, EngineRequest("r-1", [1], b"")))
+                return str(caught.value)
+            finally:
+                await client.close()
 
     assert "nested too deep" in asyncio.run(main())
 
