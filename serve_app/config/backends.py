@@ -358,7 +358,7 @@ def replica_spec(
 def offline_env(backend: Backend, config: AppConfig) -> dict[str, str]:
     """``HF_HUB_OFFLINE=1`` where ``backend`` says so and the model, and any tokenizer or config
     path the engine arguments name apart from it, are directories here."""
-    kwargs = {**config.prefill.engine_kwargs, **config.engine_kwargs, **config.decode.engine_kwargs}
+    kwargs = config.role_engine_kwargs("decode")  # (a model argument is the same for both roles)
     sources = [config.model, *(str(kwargs[k]) for k in ("tokenizer", "hf_config_path") if kwargs.get(k))]
     return {"HF_HUB_OFFLINE": "1"} if backend.offline_local_model and all(os.path.isdir(s) for s in sources) else {}
 
@@ -429,14 +429,12 @@ def build_engine_kwargs(config: AppConfig, backend: Backend, role: Role, *, kv_p
     Precedence: backend defaults < app-wide ``engine_kwargs`` < the role's ``engine_kwargs``; the
     model, its length and the KV transfer settings are the app's and always win.
     """
-    group: EngineGroupConfig = getattr(config, role)
     kwargs: dict[str, Any] = copy.deepcopy(dict(backend.engine_defaults))
-    given = {**config.engine_kwargs, **group.engine_kwargs}
+    given = config.role_engine_kwargs(role)
     if "gpu_memory_utilization" in given and "kv_cache_memory_bytes" not in given:
         # vLLM takes kv_cache_memory_bytes over gpu_memory_utilization: the operator's share wins.
         kwargs.pop("kv_cache_memory_bytes", None)
-    kwargs.update(copy.deepcopy(config.engine_kwargs))
-    kwargs.update(copy.deepcopy(group.engine_kwargs))
+    kwargs.update(copy.deepcopy(given))
     kwargs["model"] = config.model
     kwargs["max_model_len"] = config.max_model_len
     if config.served_model_name:
@@ -564,6 +562,4 @@ def _enable_recompute(kwargs: dict[str, Any], backend: Backend) -> None:
 
 
 def _tp_size(config: AppConfig, role: Role) -> int:
-    group: EngineGroupConfig = getattr(config, role)
-    merged = {**config.engine_kwargs, **group.engine_kwargs}
-    return int(merged.get("tensor_parallel_size", 1))
+    return int(config.role_engine_kwargs(role).get("tensor_parallel_size", 1))

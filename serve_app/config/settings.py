@@ -542,7 +542,7 @@ class AppConfig(_Strict):
         (decode would then preempt and recompute locally, as plain vLLM)."""
         if not self.decode.recompute:
             return
-        kwargs = {**self.engine_kwargs, **self.decode.engine_kwargs}
+        kwargs = self.role_engine_kwargs("decode")
 
         def where(key: str) -> str:
             return "decode.engine_kwargs" if key in self.decode.engine_kwargs else "engine_kwargs"
@@ -572,8 +572,7 @@ class AppConfig(_Strict):
         from serve_app.config.backends import KV_PORT_STRIDE
 
         for role in ("prefill", "decode") if self.has_prefill() else ("decode",):
-            group: EngineGroupConfig = getattr(self, role)
-            kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+            kwargs = self.role_engine_kwargs(role)
             for key in ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"):
                 if int(kwargs.get(key, 1) or 1) != 1:
                     raise ValueError(f"{role}: {key} {kwargs[key]}: the ascend backend runs tensor parallelism only (1 here)")
@@ -581,10 +580,14 @@ class AppConfig(_Strict):
             if tp > KV_PORT_STRIDE:
                 raise ValueError(f"{role}: tensor_parallel_size {tp}: an engine's KV port block has {KV_PORT_STRIDE} ports, one per rank")
 
+    def role_engine_kwargs(self, role: Literal["prefill", "decode"]) -> dict[str, Any]:
+        """The engine arguments the operator gave ``role``'s engines: the app-wide ones, the
+        role's over them (the backend's defaults and what pd-serve sets are not in it)."""
+        return {**self.engine_kwargs, **getattr(self, role).engine_kwargs}
+
     def scheduling_policy(self, role: Literal["prefill", "decode"]) -> str:
         """The role's engines' vLLM ``scheduling_policy`` (``fcfs`` unless set)."""
-        group: EngineGroupConfig = getattr(self, role)
-        return str({**self.engine_kwargs, **group.engine_kwargs}.get("scheduling_policy") or "fcfs")
+        return str(self.role_engine_kwargs(role).get("scheduling_policy") or "fcfs")
 
     @property
     def priority_scheduling(self) -> bool:
@@ -599,7 +602,7 @@ class AppConfig(_Strict):
         moves one rank's KV (the README's Limits)."""
         for role in ("prefill", "decode") if self.has_prefill() else ("decode",):
             group: EngineGroupConfig = getattr(self, role)
-            kwargs = {**self.engine_kwargs, **group.engine_kwargs}
+            kwargs = self.role_engine_kwargs(role)
             tp = int(kwargs.get("tensor_parallel_size", 1) or 1)
             pp = int(kwargs.get("pipeline_parallel_size", 1) or 1)
             ranks = tp * pp
@@ -718,7 +721,7 @@ class AppConfig(_Strict):
         vLLM's server one flag sets the engine's (a grammar holds only the answer) and the
         server's (replies split into reasoning and content), and here the router reads replies
         with the parser the decode engines run."""
-        kwargs = {**self.engine_kwargs, **self.decode.engine_kwargs}
+        kwargs = self.role_engine_kwargs("decode")
         structured = kwargs.get("structured_outputs_config")
         structured = structured if isinstance(structured, dict) else {}
         name = kwargs.get("reasoning_parser") or structured.get("reasoning_parser") or None
@@ -730,7 +733,7 @@ class AppConfig(_Strict):
         """Where the router loads its tokenizer from, and with what, as vLLM's engines do
         (``ModelConfig``: ``tokenizer`` else the model, ``tokenizer_revision`` else ``revision``,
         ``trust_remote_code``): the router tokenizes every prompt and detokenizes every token."""
-        kwargs = {**self.engine_kwargs, **self.decode.engine_kwargs}
+        kwargs = self.role_engine_kwargs("decode")
         options: dict[str, Any] = {"trust_remote_code": bool(kwargs.get("trust_remote_code", False))}
         revision = kwargs.get("tokenizer_revision") or kwargs.get("revision")
         if revision:
@@ -742,7 +745,7 @@ class AppConfig(_Strict):
     @property
     def model_config_source(self) -> tuple[str, dict[str, Any]]:
         """Where the router reads the model's config (its vocabulary size), as the engines do."""
-        kwargs = {**self.engine_kwargs, **self.decode.engine_kwargs}
+        kwargs = self.role_engine_kwargs("decode")
         options: dict[str, Any] = {"trust_remote_code": bool(kwargs.get("trust_remote_code", False))}
         for key in ("revision", "code_revision"):
             if kwargs.get(key):

@@ -352,10 +352,11 @@ class Incoming:
     deadline: float
     armed_at: float
     writable: frozenset[int] = frozenset()
-    # The blocks the prompt's pushed tokens fill, each of which every layer must write before the
-    # transfer counts as done (frame counts alone pass a push that lost a chunk and went on).
+    # The blocks the prompt's pushed tokens fill, each of which every layer's frames must name
+    # before the done frame is answered (frame counts alone pass a push that lost a chunk and
+    # went on): checked where it is answered (``_missing``), so every queued frame is then one of
+    # a whole push.
     needed: frozenset[int] = frozenset()
-    written: dict[str, set[int]] = field(default_factory=dict)  # layer -> blocks written
     frames: int = 0
     layers: set[str] = field(default_factory=set)
     bytes: int = 0
@@ -602,11 +603,7 @@ class ConsumerWorker:
             return f"{state.received} of {frames} frames arrived before the done frame"
         if len(state.received_layers) < len(self.kv.layers):
             return f"{len(state.received_layers)} of {len(self.kv.layers)} layers arrived"
-        return self._lacking(state, state.received_blocks)
-
-    def _lacking(self, state: Incoming, blocks: dict[str, set[int]]) -> str | None:
-        """Why the frames in ``blocks`` (layer -> blocks) do not fill the prompt, or None."""
-        short = sum(1 for layer in self.kv.layers if not state.needed <= blocks.get(layer, set()))
+        short = sum(1 for layer in self.kv.layers if not state.needed <= state.received_blocks.get(layer, set()))
         return f"{short} of {len(self.kv.layers)} layers lack some of the prompt's {len(state.needed)} blocks" if short else None
 
     def _ack(self, tid: str, ok: bool, reason: str = "") -> bytes:
@@ -860,7 +857,6 @@ class ConsumerWorker:
                 assert geometry is not None and frame.payload is not None
                 data = torch.frombuffer(frame.payload, dtype=torch.uint8).view(geometry.dtype)
                 self.kv.write(header.layer, list(header.block_ids), data.reshape((len(header.block_ids), *geometry.block_shape)))
-                state.written.setdefault(header.layer, set()).update(header.block_ids)
                 state.frames += 1
                 state.bytes += frame.payload_len
                 state.layers.add(header.layer)
@@ -894,11 +890,8 @@ class ConsumerWorker:
         if self._waiting.get(tid) is not state:
             return
         if state.failed is None and state.expected_frames is not None and state.frames >= state.expected_frames:
-            lacking = self._lacking(state, state.written)
             if len(state.layers) < len(self.kv.layers):
                 state.failed = f"{len(state.layers)} of {len(self.kv.layers)} layers arrived"
-            elif lacking is not None:
-                state.failed = lacking
             else:
                 del self._waiting[tid]
                 self._by_req.pop(req_id, None)

@@ -89,7 +89,7 @@ def build_service(config: dict[str, Any], engines: dict[str, Any]) -> RouterServ
     except Exception:
         vocab_size = len(tokenizer)
     transport = app_config.router.engine_transport
-    decode_kwargs = {**app_config.engine_kwargs, **app_config.decode.engine_kwargs}
+    decode_kwargs = app_config.role_engine_kwargs("decode")
     defaults = model_sampling_defaults(app_config.model, decode_kwargs)
     service = RouterService(
         app_config,
