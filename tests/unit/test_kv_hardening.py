@@ -6,6 +6,7 @@ engine core's doorbell. Real loopback sockets throughout; no assertion on how lo
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -675,3 +676,38 @@ def test_an_unarmed_transfers_overflow_on_a_producers_connection_fails_that_tran
         assert failed == {"d-2"} and "for 0.3s" in consumer.take_records()["t-2"]["error"]
     finally:
         consumer.close()
+
+
+def test_an_ack_to_a_producer_that_reads_none_cuts_it_off_without_blocking(opened):
+    """Acks go out from the connection's reading thread and from the decode worker's step, so
+    sending one must never wait for room: a producer that reads none of its acks is cut off.
+    (A socket timeout on served connections once made every such send wait up to 30 s, the
+    worker's step with it.)"""
+    consumer = consumer_with(opened)
+    secret = arm(consumer, "d-1", "t-1", [0, 1])
+    data = layer_data(2, seed=3)
+    peer = peer_of(opened, consumer)
+    peer.layer("t-1", secret, [0, 1], data[LAYERS[0]], layer=LAYERS[0])  # authenticated: a producer's
+    wait_for(lambda: len(consumer.server._trusted) == 1)
+    (conn,) = consumer.server._trusted
+    # The producer reads nothing: fill the way back (the consumer's send buffer and the
+    # producer's receive buffer) through a second handle on the socket, one without a timeout.
+    # Full once a send finds no room even after the acks in flight have freed what they could.
+    with socket.socket(fileno=os.dup(conn.sock.fileno())) as back:
+        wrote = True
+        while wrote:
+            wrote = False
+            time.sleep(0.05)
+            try:
+                while True:
+                    back.send(b"\0" * 65536, socket.MSG_DONTWAIT)
+                    wrote = True
+            except BlockingIOError:
+                pass
+    peer.layer("t-1", secret, [0, 1], data[LAYERS[1]], layer=LAYERS[1])
+    peer.done("t-1", secret, frames=2)
+    # The worker's step goes on meanwhile. The transfer settles done or, where the cut-off
+    # connection's end comes first, failed, as the producer without its ack reports the push.
+    finished, _ = poll_until(consumer, "d-1")
+    assert finished == {"d-1"}
+    wait_for(lambda: conn.closed)  # its ack found no room: cut off, not waited for
