@@ -22,6 +22,7 @@ from serve_app.wire.protocol import EngineCallEndpoint, EngineEvent, EngineReque
 # How long a finished stream may take to deliver the rest of its body (the end of the chunked
 # encoding, sent right after the last frame) before its connection is closed instead of reused.
 DRAIN_TIMEOUT_S = 1.0
+ERROR_TEXT_BYTES = 4096  # of an error answer's body, for the log line
 CONNECT_TIMEOUT_S = 5.0
 # Shorter than the endpoint's own (call_server.SERVER_KEEP_ALIVE_S), so this side always closes
 # an idle connection first and never sends a call on one the engine is closing.
@@ -106,7 +107,7 @@ class EngineClient:
                 if response.status != 200:
                     if response.status == 401:  # another replica at that address now: ours is gone
                         raise EngineUnreachable("the engine's endpoint refused its token (the replica was replaced)")
-                    reason = one_line((await response.read()).decode(errors="replace"), 200)
+                    reason = one_line((await _error_text(response)).decode(errors="replace"), 200)
                     raise EngineCallFailed(f"the engine's endpoint answered {response.status}: {reason}")
                 reader = FrameReader()
                 async for chunk in response.content.iter_any():
@@ -134,6 +135,17 @@ class EngineClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _error_text(response: Any) -> bytes:
+    """The start of an error answer's body, within ``DRAIN_TIMEOUT_S``: whatever answers at a
+    gone replica's address (another process may have its port) need not send a short one."""
+    text = b""
+    with contextlib.suppress(asyncio.TimeoutError):
+        async with asyncio.timeout(DRAIN_TIMEOUT_S):
+            while len(text) < ERROR_TEXT_BYTES and (chunk := await response.content.read(ERROR_TEXT_BYTES - len(text))):
+                text += chunk
+    return text
 
 
 class EngineStream:

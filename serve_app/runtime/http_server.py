@@ -36,6 +36,10 @@ PROTOCOL_SYMBOLS = {
             "connection_lost",
             "on_message_begin",
             "on_headers_complete",
+            "on_body",
+            "on_message_complete",
+            "pause_writing",
+            "resume_writing",
             "shutdown",
             "transport",
             "cycle",
@@ -44,13 +48,35 @@ PROTOCOL_SYMBOLS = {
     ),
     "H11Protocol": tuple(
         f"{_H11}.{name}"
-        for name in ("connection_made", "data_received", "connection_lost", "shutdown", "transport", "conn", "cycle", "connections")
+        for name in (
+            "connection_made",
+            "data_received",
+            "connection_lost",
+            "pause_writing",
+            "resume_writing",
+            "shutdown",
+            "transport",
+            "conn",
+            "cycle",
+            "connections",
+        )
     ),
 }
+SERVER_STATE = ("uvicorn.server.ServerState.connections", "uvicorn.server.ServerState.tasks")  # the limit's counts
 # A connection waiting for its header this long is a candidate for closing when too many wait
 # (``max_pending``): younger ones may just not have been read yet (a burst, accepted in one turn
-# of the loop), and those uvicorn's own limit answers with a 503 as before.
+# of the loop), and those the server's limit answers with a 503 as before.
 PENDING_MIN_AGE_S = 1.0
+# A response's writes may wait this long for a client that reads nothing (the transport's buffer
+# past its high-water mark, or left unsent at a close) before the connection is aborted: without
+# it a client that stops reading holds its request, its engine's work and its place in
+# ``limit_concurrency`` for good (uvicorn awaits room to write without a bound, and a close
+# waits for the buffer to drain).
+WRITE_STALL_S = 30.0
+# Bytes of a chunked body that are not its data (chunk headers, their extensions, trailers), per
+# chunk: a chunk header is a few bytes, so only trailers or extensions pass this. httptools keeps
+# trailers as headers in memory, with no bound of their own.
+CHUNK_FRAMING_BYTES = 64
 SERVER_SHUTDOWN = "uvicorn.server.Server.shutdown"  # calls each connection's ``shutdown``
 CAPTURE_SIGNALS = "uvicorn.server.Server.capture_signals"
 
@@ -90,9 +116,10 @@ class CoalescingTransport:
     first chunk are sent in the same iteration: one write instead of two, per response. Data is
     held only until the loop's next round of callbacks, never across an await that waits."""
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, write_stall_s: float | None = WRITE_STALL_S) -> None:
         self._transport = transport
         self._pending: list[bytes] = []
+        self._write_stall_s = write_stall_s
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -122,6 +149,9 @@ class CoalescingTransport:
     def close(self) -> None:
         self._flush()
         self._transport.close()
+        if self._write_stall_s is not None and self._transport.get_write_buffer_size():
+            # A close waits for the buffer to drain: a client that reads nothing gets it aborted.
+            asyncio.get_running_loop().call_later(self._write_stall_s, self._transport.abort)
 
     def abort(self) -> None:
         self._pending = []
@@ -142,9 +172,10 @@ def coalescing_http_protocol(
     max_header_bytes: int = MAX_HEADER_BYTES,
     implementation: str = "auto",
     max_pending: int | None = None,
+    write_stall_s: float | None = WRITE_STALL_S,
 ) -> type[asyncio.Protocol]:
     """The HTTP protocol uvicorn's ``http="auto"`` picks (httptools, else h11; or the one named),
-    on a ``CoalescingTransport``, with three bounds on a request's header that uvicorn lacks:
+    on a ``CoalescingTransport``, with bounds on a request's header that uvicorn lacks:
 
     * a connection that has not sent a whole request header within ``header_timeout_s`` of
       connecting (or of its request's first byte) is closed. uvicorn bounds only the idle time
@@ -158,9 +189,19 @@ def coalescing_http_protocol(
       its header as it connects;
     * with httptools, a header larger than ``max_header_bytes`` is answered 431 and the
       connection closed (h11 has its own bound, ``h11_max_incomplete_event_size``). Bytes are
-      counted per read from a connection's first read, or from the read after the one in which a
-      kept-alive connection's next request began: the bound is exact on a new connection and
-      at most one read (256 KiB) more on a kept-alive one, never a header of any size.
+      counted per read from a connection's first read, or from the read in which a kept-alive
+      connection's next request began (the read after it, for a request pipelined behind a
+      response): exact but for a pipelined request, which gets at most one read (256 KiB) more,
+      never a header of any size. A chunked body's trailers and chunk extensions, which
+      httptools keeps in memory as headers, count against the same bound;
+    * a kept-alive connection that sends bare line ends between requests (httptools skips them
+      without beginning a request; they stop uvicorn's keep-alive timer) gets the header deadline.
+
+    Bounds on the way back, which uvicorn lacks too: a response whose writes wait more than
+    ``write_stall_s`` for a client that reads nothing aborts the connection (its request then
+    ends as a disconnect), and so does a close whose unsent data waits as long. And a client that
+    closes while a request is pipelined behind its running one (httptools) is seen as gone by the
+    running one too (uvicorn tells only the latest).
 
     And one change to uvicorn's graceful shutdown, which closes every connection that is between
     responses: a connection whose request has not arrived whole (a new one, its request on the
@@ -170,7 +211,7 @@ def coalescing_http_protocol(
     base = _protocol_base(implementation)
     h11_based = base.__name__ == "H11Protocol"
     without = f"write coalescing and the request-header bounds on uvicorn's {base.__name__}"
-    if not unchanged((*PROTOCOL_SYMBOLS[base.__name__], SERVER_SHUTDOWN), logger, without):
+    if not unchanged((*PROTOCOL_SYMBOLS[base.__name__], SERVER_SHUTDOWN, *SERVER_STATE), logger, without):
         return base
 
     class CoalescingHttpProtocol(base):  # type: ignore[valid-type, misc]
@@ -181,16 +222,25 @@ def coalescing_http_protocol(
         _header_bytes = 0
         _header_tail = b""
         _answer_then_close = False  # shut down while its request was arriving
+        _write_deadline: asyncio.TimerHandle | None = None
+        # httptools: the requests of this connection whose responses are not complete (one
+        # running, any pipelined behind it), and the bytes of a chunked body that were not data.
+        _open_cycles: tuple[Any, ...] = ()
+        _in_body = False
+        _framing_bytes = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
+            super().connection_made(CoalescingTransport(transport, write_stall_s))  # type: ignore[arg-type]
             self._header_begun()
 
         def data_received(self, data: bytes) -> None:
-            if h11_based and not self._in_header and self._between_requests():
-                # A kept-alive connection's next request begins: in line before h11 reads it (and
-                # uvicorn checks its limit), as httptools' on_message_begin puts it.
+            if not self._in_header and self._between_requests():
+                # A kept-alive connection's next request begins (or, with httptools, bare line
+                # ends it skips): in line before the parser reads it (and uvicorn checks its
+                # limit), as httptools' on_message_begin puts it.
                 self._header_begun()
+            if self._in_body:
+                self._framing_bytes += len(data)  # less the data and chunk headers, as parsed
             if self._in_header and not h11_based:
                 # Count the header's own bytes only: a read that ends the header also carries the
                 # start of the body. The end is the first blank line (its CRLFs may straddle reads).
@@ -203,6 +253,9 @@ def coalescing_http_protocol(
                 self._header_bytes += part
                 self._header_tail = seen[-3:]
             super().data_received(data)
+            if self._in_body and self._framing_bytes > max_header_bytes:
+                self._refuse_header()  # trailers (or chunk extensions) past the header bound
+                return
             if h11_based:  # h11 has no parser callbacks: its state says where the request is
                 self._follow_h11_state()
                 if self._answer_then_close and self.cycle is not None:
@@ -219,6 +272,37 @@ def coalescing_http_protocol(
             super().on_headers_complete()
             if self._answer_then_close:
                 self.cycle.keep_alive = False
+            self._open_cycles = (*(c for c in self._open_cycles if not c.response_complete), self.cycle)
+            self._in_body, self._framing_bytes = True, 0
+
+        def on_body(self, body: bytes) -> None:
+            self._framing_bytes -= len(body)
+            super().on_body(body)
+
+        def on_chunk_header(self) -> None:
+            self._framing_bytes -= CHUNK_FRAMING_BYTES
+
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            super().on_message_complete()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if write_stall_s is not None and self._write_deadline is None:
+                self._write_deadline = asyncio.get_running_loop().call_later(write_stall_s, self._write_stalled)
+
+        def resume_writing(self) -> None:
+            self._write_done()
+            super().resume_writing()
+
+        def _write_stalled(self) -> None:
+            self._write_deadline = None
+            self.transport.abort()  # uvicorn then tells the request its client is gone
+
+        def _write_done(self) -> None:
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
 
         def shutdown(self) -> None:
             if not self._in_header:
@@ -232,9 +316,19 @@ def coalescing_http_protocol(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._header_done()
+            self._write_done()
+            self._in_body = False
             super().connection_lost(exc)
+            for cycle in self._open_cycles:  # uvicorn tells only the latest (self.cycle)
+                if not cycle.response_complete:
+                    cycle.disconnected = True
+                cycle.message_event.set()
+            self._open_cycles = ()
 
         def _between_requests(self) -> bool:
+            if not h11_based:
+                cycle = self.cycle
+                return cycle is None or (cycle.response_complete and not cycle.more_body)
             import h11
 
             return self.conn.their_state is h11.IDLE
@@ -277,7 +371,7 @@ def coalescing_http_protocol(
                 if now - since < PENDING_MIN_AGE_S:
                     break
                 oldest._header_done()
-                # Out of uvicorn's count at once, not when the loop gets to its connection_lost:
+                # Out of the limit's count at once, not when the loop gets to its connection_lost:
                 # the request that made room is checked against that count in this same turn.
                 oldest.connections.discard(oldest)
                 if not oldest.transport.is_closing():
@@ -301,6 +395,7 @@ def coalescing_http_protocol(
 
         def _refuse_header(self) -> None:
             self._header_done()
+            self._in_body = False
             if not self.transport.is_closing():
                 self.transport.write(_HEADER_TOO_LARGE)
                 self.transport.close()
@@ -308,7 +403,21 @@ def coalescing_http_protocol(
     return CoalescingHttpProtocol
 
 
-_HEADER_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+def _error_json(message: str, status: int, error_type: str) -> bytes:
+    """An OpenAI-style error body (vLLM's ``ErrorResponse``), for the answers this server gives
+    before any app sees the request."""
+    from serve_app.runtime.compat import ErrorInfo, ErrorResponse
+
+    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=None, code=status)).model_dump_json().encode()
+
+
+def _header_too_large() -> bytes:
+    body = _error_json("the request's line and headers are too large", 431, "invalid_request_error")
+    head = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    return head + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+_HEADER_TOO_LARGE = _header_too_large()
 
 
 def _protocol_base(implementation: str) -> type[asyncio.Protocol]:
@@ -398,6 +507,7 @@ class InReplicaServer:
         max_connections: int | None = 4096,
         max_header_bytes: int = MAX_HEADER_BYTES,
         http: str = "auto",
+        write_stall_s: float | None = WRITE_STALL_S,
     ) -> None:
         """``header_timeout_s``: a connection's request header must be complete within it;
         ``max_connections``: connections plus requests in progress, beyond which uvicorn answers
@@ -405,17 +515,19 @@ class InReplicaServer:
         engines' call endpoints (a kept-alive connection per call in progress from each router:
         an engine runs a few hundred requests at most) and the metaserver relay (one per poster
         thread). ``max_header_bytes``: a request's line and headers (431 beyond);
-        ``http``: uvicorn's protocol ("auto": httptools if installed, else h11)."""
+        ``http``: uvicorn's protocol ("auto": httptools if installed, else h11);
+        ``write_stall_s``: how long a response may wait for a client that reads nothing."""
         self.sock = sock
         self.address = sock.getsockname()
         self.shares_port = shares_port(sock)
         # log_config=None: uvicorn would otherwise run logging.config.dictConfig, which closes every
         # handler in the process, Serve's log-file handler of this replica included.
         config = uvicorn.Config(
-            app,
+            self._within_limit(app, max_connections),
             # Half the connections for those waiting for their header: the rest stay for requests.
-            http=coalescing_http_protocol(header_timeout_s, max_header_bytes, http, max_connections // 2 if max_connections else None),
-            limit_concurrency=max_connections,
+            http=coalescing_http_protocol(
+                header_timeout_s, max_header_bytes, http, max_connections // 2 if max_connections else None, write_stall_s
+            ),
             h11_max_incomplete_event_size=max_header_bytes,
             log_config=None,
             log_level="warning",
@@ -428,6 +540,27 @@ class InReplicaServer:
         unchanged([CAPTURE_SIGNALS], logger, "keeping uvicorn off the replica's signal handlers")
         self._server = _QuietServer(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+
+    def _within_limit(self, app: Any, limit: int | None) -> Any:
+        """``app`` behind uvicorn's ``limit_concurrency`` check (connections, or requests in
+        progress, at the limit), answered with an OpenAI-style 503 rather than uvicorn's plain
+        text. The server's state is read when a request comes, the server being made after."""
+        if limit is None:
+            return app
+        busy = _error_json("the server is at its connection limit; retry later", 503, "service_unavailable")
+
+        async def limited(scope: Any, receive: Any, send: Any) -> None:
+            state = self._server.server_state
+            # As uvicorn counts: this connection is among the connections, this request's task
+            # among the tasks (uvicorn checks before adding it).
+            if scope["type"] == "http" and (len(state.connections) >= limit or len(state.tasks) > limit):
+                headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(busy)), (b"connection", b"close")]
+                await send({"type": "http.response.start", "status": 503, "headers": headers})
+                await send({"type": "http.response.body", "body": busy})
+                return
+            await app(scope, receive, send)
+
+        return limited
 
     @property
     def serving(self) -> bool:

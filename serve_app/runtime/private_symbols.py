@@ -577,11 +577,30 @@ _ENTRIES: tuple[Symbol, ...] = (
         params=("(self, sockets)",),
         source_has=(("Server.shutdown", "connection.shutdown()"),),
     ),
+    # The counts of uvicorn's ``limit_concurrency``, which the server checks itself (its 503 is
+    # an OpenAI error body, not uvicorn's text).
+    *(
+        Symbol(
+            "uvicorn.server",
+            f"ServerState.{name}",
+            "uvicorn",
+            READ,
+            "serve_app/runtime/http_server.py",
+            BOTH,
+            kind=INSTANCE_ATTRIBUTE,
+            source_has=(("ServerState.__init__", f"self.{name}:"),),
+        )
+        for name in ("connections", "tasks")
+    ),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "connection_made", "(self, transport)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "data_received", "(self, data)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "connection_lost", "(self, exc)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_message_begin", "(self)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_headers_complete", "(self)"),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_body", "(self, body)"),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_message_complete", "(self)"),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "pause_writing", "(self)"),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "resume_writing", "(self)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "shutdown", "(self)"),
     _transport(_HTTPTOOLS, "HttpToolsProtocol"),
     _connections(_HTTPTOOLS, "HttpToolsProtocol"),
@@ -589,6 +608,8 @@ _ENTRIES: tuple[Symbol, ...] = (
     _protocol_method(_H11, "H11Protocol", "connection_made", "(self, transport)"),
     _protocol_method(_H11, "H11Protocol", "data_received", "(self, data)"),
     _protocol_method(_H11, "H11Protocol", "connection_lost", "(self, exc)"),
+    _protocol_method(_H11, "H11Protocol", "pause_writing", "(self)"),
+    _protocol_method(_H11, "H11Protocol", "resume_writing", "(self)"),
     _protocol_method(_H11, "H11Protocol", "shutdown", "(self)"),
     _transport(_H11, "H11Protocol"),
     _connections(_H11, "H11Protocol"),

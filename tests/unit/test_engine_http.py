@@ -353,6 +353,36 @@ def test_an_answer_nested_too_deep_fails_the_call_not_the_router():
     assert "nested too deep" in asyncio.run(main())
 
 
+def test_an_error_answer_whose_body_never_ends_fails_the_call_at_once():
+    """Whatever answers at a gone replica's address (another process may have its port) need not
+    end its error body: the call read it whole, and so waited for its phase's deadline."""
+    from aiohttp import web
+
+    from serve_app.router.engine_client import EngineClient
+    from serve_app.wire.protocol import EngineCallEndpoint
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=500)
+        await response.prepare(request)
+        await response.write(b"the engine broke")
+        while True:  # never ends
+            await asyncio.sleep(0.05)
+            await response.write(b" and on")
+
+    async def main() -> str:
+        async with serving(GENERATE_PATH, answer) as port:
+            client = EngineClient()
+            try:
+                endpoint = EngineCallEndpoint(url=f"http://127.0.0.1:{port}", token="t")
+                with pytest.raises(EngineCallFailed) as caught:
+                    await asyncio.wait_for(anext(client.stream(endpoint, EngineRequest("r-1", [1], b""))), 10)
+                return str(caught.value)
+            finally:
+                await client.close()
+
+    assert "answered 500: the engine broke" in asyncio.run(main())
+
+
 def test_a_long_prompt_is_called_on_a_fresh_connection():
     """A call whose body is larger than a request header may be (64 KiB) on a connection's first
     request: aiohttp sends the header and the body in one write, so the server's first read holds

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from serve_app.runtime.http_server import InReplicaServer, listening_socket
@@ -131,6 +131,208 @@ def test_connections_that_send_nothing_cannot_fill_the_server(http, monkeypatch)
         finally:
             for sock in strangers:
                 sock.close()
+            await server.stop()
+
+    asyncio.run(main())
+
+
+async def _unauthorized(request: Request) -> JSONResponse:
+    return JSONResponse({"error": "no key"}, status_code=401)  # answered without reading the body
+
+
+@pytest.mark.parametrize("reads_body", [False, True])
+def test_a_chunked_bodys_endless_trailers_are_cut_off_at_the_header_bound(reads_body):
+    """httptools hands a chunked body's trailers to uvicorn as headers, which keeps them all in
+    memory: a client needing no key (answered 401 at once) could send gigabytes of them within
+    the header deadline, or until the body deadline where the app reads the body."""
+
+    def send_trailers(port: int) -> int:
+        sent = 0
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n")
+            line = b"X-Trailer: " + b"t" * 1000 + b"\r\n"
+            try:
+                while sent < 32 << 20:
+                    sock.sendall(line * 64)
+                    sent += len(line) * 64
+            except OSError:  # refused and closed
+                pass
+        return sent
+
+    async def main() -> None:
+        app = Starlette(routes=[Route("/", _size if reads_body else _unauthorized, methods=["POST"])])
+        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), max_header_bytes=64 * 1024, http="httptools")
+        try:
+            sent = await asyncio.to_thread(send_trailers, server.address[1])
+            assert sent < 8 << 20, f"{sent} bytes of trailers taken in"
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_chunked_body_of_many_small_chunks_and_a_short_trailer_is_served():
+    async def main() -> None:
+        app = Starlette(routes=[Route("/", _size, methods=["POST"])])
+        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), max_header_bytes=4096, http="httptools")
+        try:
+            chunks = b"".join(b"1;ext=a\r\nx\r\n" for _ in range(20_000))  # framing 12x the data
+            request = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+
+            def post() -> bytes:
+                with socket.create_connection(("127.0.0.1", server.address[1]), timeout=30) as sock:
+                    sock.sendall(request + chunks + b"0\r\nX-Checksum: abc\r\n\r\n")
+                    data = b""
+                    while chunk := sock.recv(65536):
+                        data += chunk
+                return data
+
+            reply = await asyncio.to_thread(post)
+            assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b'{"size":20000}')
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def _closed_within(sock: socket.socket, timeout_s: float) -> bool:
+    sock.settimeout(timeout_s)
+    try:
+        while chunk := sock.recv(65536):
+            del chunk
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_line_ends_between_kept_alive_requests_get_the_header_deadline():
+    """httptools skips bare CRLFs between requests without beginning one, while each read stops
+    uvicorn's keep-alive timer: a CRLF after a response held the connection forever."""
+
+    async def main() -> None:
+        app = Starlette(routes=[Route("/", _ok, methods=["GET"])])
+        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), header_timeout_s=0.5, keep_alive_s=1.0, http="httptools")
+        try:
+
+            def crlf_after_a_response() -> bool:
+                with socket.create_connection(("127.0.0.1", server.address[1]), timeout=10) as sock:
+                    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                    assert b'{"ok":true}' in sock.recv(65536)
+                    sock.sendall(b"\r\n")
+                    return _closed_within(sock, 5.0)
+
+            assert await asyncio.to_thread(crlf_after_a_response)
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+class _Endless:
+    """A streamed response that never ends by itself; records whether its request ended."""
+
+    def __init__(self) -> None:
+        self.ended = asyncio.Event()
+
+    async def handle(self, request: Request) -> StreamingResponse:
+        async def body():
+            try:
+                while True:
+                    yield b"x" * 65536
+                    await asyncio.sleep(0)
+            finally:
+                self.ended.set()
+
+        return StreamingResponse(body())
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_client_that_reads_nothing_is_cut_off_and_its_request_ends(http):
+    """uvicorn waits for room to write without a bound: a client that stops reading held its
+    request (its engine work, its load) and its connection for good."""
+
+    async def main() -> None:
+        endless = _Endless()
+        app = Starlette(routes=[Route("/", endless.handle, methods=["GET"])])
+        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), write_stall_s=0.5, http=http)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(server.address)
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # and never reads
+            await asyncio.wait_for(endless.ended.wait(), 20)
+            for _ in range(200):
+                if not server._server.server_state.connections:
+                    break
+                await asyncio.sleep(0.05)
+            assert not server._server.server_state.connections
+        finally:
+            sock.close()
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_close_whose_data_the_client_never_reads_is_aborted():
+    """A close waits for the transport's buffer to drain: with a client that reads nothing, for
+    good (uvicorn closes a kept-alive connection this way, holding its place in the limit)."""
+    from serve_app.runtime.http_server import CoalescingTransport
+
+    class Stuck:
+        aborted = False
+
+        def write(self, data: bytes) -> None:
+            pass
+
+        def is_closing(self) -> bool:
+            return False
+
+        def get_write_buffer_size(self) -> int:
+            return 1000
+
+        def close(self) -> None:
+            pass
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def main() -> None:
+        stuck = Stuck()
+        CoalescingTransport(stuck, write_stall_s=0.1).close()
+        await asyncio.sleep(0.5)
+        assert stuck.aborted
+
+    asyncio.run(main())
+
+
+def test_a_client_gone_while_a_request_waits_behind_its_running_one_ends_the_running_one():
+    """With a request pipelined behind a running one, uvicorn (httptools) tells only the waiting
+    one that the client closed: the running one (a generation) went on to its end."""
+
+    async def main() -> None:
+        ended = asyncio.Event()
+
+        async def slow(request: Request) -> StreamingResponse:
+            async def body():
+                try:
+                    while True:
+                        yield b"data: x\n\n"
+                        await asyncio.sleep(0.05)
+                finally:
+                    ended.set()
+
+            return StreamingResponse(body())
+
+        app = Starlette(routes=[Route("/slow", slow, methods=["GET"]), Route("/", _ok, methods=["GET"])])
+        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), http="httptools")
+        try:
+            with socket.create_connection(server.address) as sock:
+                sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                await asyncio.to_thread(sock.recv, 1024)  # the stream is running
+            await asyncio.wait_for(ended.wait(), 5)
+        finally:
             await server.stop()
 
     asyncio.run(main())

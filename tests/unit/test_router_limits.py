@@ -472,7 +472,9 @@ def test_connections_beyond_the_limit_get_a_503():
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=httpx.Limits(max_keepalive_connections=0)) as c:
                 held = [asyncio.create_task(c.get("/", params={"hold": "1"})) for _ in range(2)]
                 await asyncio.sleep(0.3)
-                assert (await c.get("/")).status_code == 503
+                refused = await c.get("/")
+                assert_openai_error(refused, 503)  # not uvicorn's plain text
+                assert refused.headers["connection"] == "close"
                 assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
                 assert (await c.get("/")).status_code == 200
         finally:
