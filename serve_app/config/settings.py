@@ -174,6 +174,7 @@ class EngineGroupConfig(ScalingConfig):
                         f"cpu_bind entry {entry!r}: give 'auto', 'nobind', or core lists such as '0-3,8' (one per rank, '|' between)"
                     )
         return value
+
     resources: dict[str, float] | None = Field(
         None,
         description=(
@@ -365,6 +366,7 @@ class RouterConfig(ScalingConfig):
         if self.tool_parser_plugin and not self.tool_call_parser:
             raise ValueError("router.tool_parser_plugin registers a tool parser; name it in router.tool_call_parser")
         return self
+
     api_keys: list[Annotated[str, Field(min_length=1)]] | None = Field(
         None,
         description=(
@@ -498,6 +500,8 @@ class AppConfig(_Strict):
         for where, kwargs in places.items():
             for key in APP_ENGINE_KWARGS & kwargs.keys():
                 raise ValueError(f"{where}.{key} is set by pd-serve itself ({APP_ENGINE_KWARGS[key]})")
+            for key in UNSUPPORTED_ENGINE_KWARGS & kwargs.keys():
+                raise ValueError(f"{where}.{key} is not supported: {UNSUPPORTED_ENGINE_KWARGS[key]}")
         if self.has_prefill():
             why = dict.fromkeys(KV_LAYOUT_KWARGS, "prefill writes its KV blocks into decode's as they are")
             why.update(dict.fromkeys(MODEL_KWARGS, "decode continues from the KV prefill computed, so both must run one model"))
@@ -808,6 +812,16 @@ APP_ENGINE_KWARGS = {
     "model": "use the app's model",
     "max_model_len": "use the app's max_model_len",
     "served_model_name": "use the app's served_model_name",
+}
+# Engine arguments that would break a request's path through the engines, and why.
+UNSUPPORTED_ENGINE_KWARGS = {
+    key: (
+        "an engine whose queue is full refuses a request in a way the router cannot tell from an engine failure "
+        "(it would retry elsewhere, then answer 502); bound the load at the router (router.http.max_connections, "
+        "router.max_ongoing_requests) and with the pools' "
+        "autoscaling_config instead"
+    )
+    for key in ("max_num_queued_reqs", "max_num_queued_tokens")
 }
 # What decides the bytes of a KV block: prefill's and decode's must match.
 KV_LAYOUT_KWARGS = ("block_size", "dtype", "kv_cache_dtype")

@@ -119,8 +119,12 @@ class EngineCallServer:
             result: PrefillResult | CallError = await self._replica.run(request)
         except Exception as exc:
             result = _error(exc)
+        try:  # before the 200 goes out: a result that cannot be sent is an error the router reads
+            body = encode_frame(result)
+        except Exception as exc:
+            body = encode_frame(_error(exc))
         await _start(send)
-        await send({"type": "http.response.body", "body": encode_frame(result), "more_body": False})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def close(self) -> None:
         self._server.close()
@@ -149,6 +153,9 @@ async def _while_connected(work: Callable[[asyncio.Event], Awaitable[None]], rec
         for future in (task, disconnect):
             with contextlib.suppress(BaseException):
                 await future
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            # Its answer is cut short (the router sees the engine as unreachable): say why here.
+            logger.warning("an engine call ended in an error: %s", _error(task.exception()).message)
 
 
 async def _disconnected(receive: Any, gone: asyncio.Event) -> None:

@@ -63,8 +63,9 @@ class Decode(EngineServer):
                     if last is not None and event.token_ids:
                         self.latency.add(now, (now - last) / len(event.token_ids))
                     last = now
-                    if self.draining and event.finish_reason is None:
-                        # The stream ends here, with what it has; closing it frees its KV.
+                    if self.draining and event.finish_reason in (None, "abort"):
+                        # The stream ends here, with what it has; closing it frees its KV. (An
+                        # abort while draining is the drain's deadline: server.py.)
                         yield dataclasses.replace(event, finish_reason="stop", stop_reason=MOVED)
                         return
                 yield event
@@ -141,4 +142,3 @@ class Decode(EngineServer):
         if relay is not None:
             relay.close()
         super()._stop_now()
-

@@ -196,6 +196,9 @@ class MockEngine:
         if seq is not None:
             self._finish(seq, "abort", None)
 
+    def held(self) -> list[str]:
+        return list(self._by_id)
+
     async def check_health(self) -> None:
         for task in self._tasks:
             if task.done():

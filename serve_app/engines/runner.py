@@ -28,6 +28,9 @@ class EngineRunner(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    def held(self) -> list[str]:
+        """The ids of the requests the engine holds (those ``stats().inflight`` counts)."""
+
     async def check_health(self) -> None:
         """Raise when the engine is dead (Serve then restarts the replica)."""
 

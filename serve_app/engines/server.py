@@ -37,6 +37,8 @@ DRAIN_POLL_S = 0.05
 # tells the routers that it is stopping only when it has stopped (Ray Serve 2.60), so calls keep
 # coming until each router has had one answered "moved" (decode) or they stop coming.
 DRAIN_QUIET_S = 1.0
+# At the drain's deadline, how long the requests still held get to end once aborted.
+DRAIN_ABORT_S = 1.0
 
 
 def replica_identity() -> tuple[int, str]:
@@ -247,13 +249,22 @@ class EngineServer:
             if quiet and runner.stats().inflight == 0:
                 break
             await asyncio.sleep(DRAIN_POLL_S)
-        left = runner.stats().inflight
+        held = runner.held()
         logger.info(
             "engine %s drained in %.1fs%s",
             self.spec.name,
             time.monotonic() - started,
-            f"; {left} requests still held are aborted" if left else "",
+            f"; {len(held)} requests still held are aborted" if held else "",
         )
+        if held:
+            # Aborted while the engine runs, so each stream ends with its last output ("moved"
+            # on decode, which the router resumes elsewhere): stopping the engine under them
+            # would leave them waiting for output until the process is killed.
+            for request_id in held:
+                await runner.abort(request_id)
+            end = time.monotonic() + DRAIN_ABORT_S
+            while runner.stats().inflight and time.monotonic() < end:
+                await asyncio.sleep(DRAIN_POLL_S)
         self._stop_now()
 
     def _stop_now(self) -> None:

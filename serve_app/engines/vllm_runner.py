@@ -35,7 +35,7 @@ class _LoadTracker:
         self.num_running = 0
         self.num_waiting = 0
         self.kv_usage = 0.0
-        self.updated_at = 0.0
+        self.failed_record: str | None = None  # the first stats record that could not be read
         self.transfers = TransferRecords()
         self.kv_counters: dict[str, int] = {}
 
@@ -53,10 +53,17 @@ class _LoadTracker:
                     tracker.num_running = scheduler_stats.num_running_reqs
                     tracker.num_waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
                     tracker.kv_usage = float(scheduler_stats.kv_cache_usage)
-                    tracker.updated_at = time.monotonic()
-                    connector = scheduler_stats.kv_connector_stats or {}
-                    tracker.transfers.add(connector.get("transfers") or {})
-                    tracker.kv_counters.update(connector.get("counters") or {})
+                    try:
+                        connector = scheduler_stats.kv_connector_stats or {}
+                        tracker.transfers.add(connector.get("transfers") or {})
+                        tracker.kv_counters.update(connector.get("counters") or {})
+                    except Exception as exc:  # noqa: BLE001
+                        # vLLM's output handler runs this hook unguarded: an exception here
+                        # would fail every request in flight and mark the engine dead, for a
+                        # connector (vllm-ascend's, say) whose stats are of another shape.
+                        if tracker.failed_record is None:
+                            tracker.failed_record = f"{type(exc).__name__}: {exc}"
+                            logger.warning("the KV connector's stats could not be read (%s); later ones skipped alike", exc)
                 if iteration_stats is not None and tracker.finish_signals:
                     for finished in iteration_stats.finished_requests:
                         # By the id pd-serve gave it (vLLM 0.23 and 0.32); a version that named
@@ -80,8 +87,6 @@ class VLLMRunner:
         self.llm: Any = None
         self.kv_capacity_tokens = 0
         self._load = _LoadTracker()
-        # attempt id -> reserved tokens (prompt + max_tokens) of the requests this engine holds.
-        self._inflight: dict[str, int] = {}
         # attempt id -> what the engine did with it (prompt tokens it did not compute, outcome).
         self.requests = Recent()
 
@@ -105,22 +110,18 @@ class VLLMRunner:
             self.kv_capacity_tokens,
         )
 
-    @property
-    def block_size(self) -> int:
-        return int(self.llm.vllm_config.cache_config.block_size)
-
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta | EngineRejected]:
         """Stream the request's output as coalesced deltas; leaving early aborts it in the engine.
 
         A request the engine refuses as invalid yields one ``EngineRejected`` and ends."""
         from vllm.inputs.engine import tokens_input
 
+        if self.llm is None:  # before anything is registered: nothing would release it
+            raise RuntimeError(f"{self.name}: the engine has stopped")
         params = engine_sampling_params(request)
         num_logprobs = params.logprobs
-        self._inflight[request.request_id] = len(request.prompt_token_ids) + (params.max_tokens or 0)
         record: dict[str, Any] = {"prompt_tokens": len(request.prompt_token_ids), "output_tokens": 0, "finish_reason": None}
         self.requests.put(request.request_id, record)
-        finish = self._load.finish_signals[request.request_id] = FinishSignal()
         prompt = tokens_input(request.prompt_token_ids, cache_salt=request.cache_salt)
         # A reasoning model's chat request: as vLLM's server hands it over (only where set).
         reasoning = {
@@ -128,9 +129,8 @@ class VLLMRunner:
             for name, value in (("reasoning_ended", request.reasoning_ended), ("reasoning_parser_kwargs", request.reasoning_parser_kwargs))
             if value is not None
         }
-        if self.llm is None:
-            raise RuntimeError(f"{self.name}: the engine has stopped")
         outputs = self.llm.generate(prompt, params, request.request_id, priority=request.priority, **reasoning)
+        finish = self._load.finish_signals[request.request_id] = FinishSignal()
         try:
             # Closing the engine's stream (however this one ends) aborts the request in vLLM.
             async with aclosing(outputs):
@@ -167,12 +167,14 @@ class VLLMRunner:
                         except StopAsyncIteration:
                             return
         finally:
-            self._inflight.pop(request.request_id, None)
             self._load.finish_signals.pop(request.request_id, None)
 
     async def abort(self, request_id: str) -> None:
         if self.llm is not None:  # stopped: nothing left to abort
             await self.llm.abort(request_id)
+
+    def held(self) -> list[str]:
+        return list(self._load.finish_signals)  # registered for the life of each generate call
 
     async def check_health(self) -> None:
         if self.llm is None:
@@ -187,7 +189,7 @@ class VLLMRunner:
             num_waiting=self._load.num_waiting,
             kv_usage=self._load.kv_usage,
             kv_capacity_tokens=self.kv_capacity_tokens,
-            inflight=len(self._inflight),
+            inflight=len(self._load.finish_signals),
             healthy=self.llm is not None and not self.llm.errored,
             extra={"kv_side_channel": dict(self._load.kv_counters)} if self._load.kv_counters else {},
         )

@@ -39,8 +39,9 @@ class EngineRequest:
     """One attempt's work for one engine.
 
     ``sampling_params`` is a ``vllm.SamplingParams``, msgpack-encoded (``serve_app.wire.sampling``); ``request_id``
-    is the attempt id, unique per attempt and never reused, because an engine refuses a
-    duplicate id and a late abort must not hit a later attempt.
+    is the attempt id, unique per attempt and never reused: an abort names requests by it (vLLM
+    0.32 aborts every request of an id, 0.23 refuses a duplicate), so a late abort must not hit a
+    later attempt.
     """
 
     request_id: str

@@ -204,6 +204,18 @@ def test_settings_that_would_replace_the_recompute_scheduler_are_refused():
     assert load_config({**colocated, "decode": {"engine_kwargs": {"additional_config": {"SLO_limits_for_dynamic_batch": 50}}}})
 
 
+def test_engine_queue_bounds_are_refused_at_load():
+    """vLLM 0.32 refuses a request past max_num_queued_reqs / max_num_queued_tokens with an error
+    the router cannot tell from an engine failure: every such request would be retried on other
+    engines and end in a 502."""
+    for key in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        for where in ("engine_kwargs", "prefill", "decode"):
+            args = {key: 8} if where == "engine_kwargs" else None
+            config = {"engine_kwargs": args} if args else {where: {"engine_kwargs": {key: 8}}}
+            with pytest.raises(ConfigError, match=f"{key} is not supported: an engine whose queue is full"):
+                load_config(config)
+
+
 def test_parallelism_a_replica_cannot_hold_is_refused_at_load():
     """One replica is one engine: data parallelism inside it would start several engines behind
     one KV endpoint; Ascend replicas hold tensor_parallel_size NPUs and a 16-port KV block."""

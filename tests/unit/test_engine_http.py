@@ -383,6 +383,30 @@ def test_an_error_answer_whose_body_never_ends_fails_the_call_at_once():
     assert "answered 500: the engine broke" in asyncio.run(main())
 
 
+def test_a_prefill_result_that_cannot_be_sent_is_an_error_the_router_reads():
+    """The 200 went out before the result was encoded: a result msgpack cannot carry left the
+    answer cut short, which the router reads as an unreachable engine, and the cause was lost."""
+    from serve_app.engines.call_server import EngineCallServer
+
+    class Unsendable:
+        async def run(self, request):
+            return PrefillResult(request.request_id, 8, "length", {"outcome": object()})
+
+    async def main() -> list:
+        server = EngineCallServer("127.0.0.1", Unsendable())
+        try:
+            headers = {"Authorization": f"Bearer {server.token}"}
+            async with aiohttp.ClientSession() as session:
+                body = encode_request(EngineRequest("p-1", [1, 2], b""))
+                async with session.post(server.endpoint.url + RUN_PATH, data=body, headers=headers) as response:
+                    return FrameReader().feed(await response.read())
+        finally:
+            await server.stop()
+
+    (message,) = asyncio.run(main())
+    assert isinstance(message, CallError) and "object" in message.message
+
+
 def test_a_long_prompt_is_called_on_a_fresh_connection():
     """A call whose body is larger than a request header may be (64 KiB) on a connection's first
     request: aiohttp sends the header and the body in one write, so the server's first read holds

@@ -1283,6 +1283,38 @@ def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_r
     run(body, app_args, tiny_tokenizer, recording_router_metrics())
 
 
+def test_a_stream_still_without_output_at_the_drains_deadline_ends_as_moved(tiny_tokenizer):
+    """A stream that had no output by the drain's deadline (here: waiting for a slow prefill's
+    KV) was left to the engine's stop, which ended none of its streams: it waited for output
+    until the process was killed. It is aborted first now, and ends as "moved", resumed on the
+    other engine."""
+
+    async def body(app: App) -> None:
+        request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=20))
+        deadline = time.monotonic() + 5
+        # Once the prefill runs: the decode engine has said where the KV goes, and waits for it.
+        while not any(e.runner.held() for n, e in app.engines.items() if n.startswith("prefill")):
+            assert time.monotonic() < deadline, "no prefill engine took the request"
+            await asyncio.sleep(0.005)
+        (victim,) = [n for n, e in app.engines.items() if n.startswith("decode") and e.runner.held()]
+        app.engines[victim].drain_s = 0.2  # well before the prefill pushes (about 1 s)
+        stopping = asyncio.ensure_future(app.engines[victim].__del__())
+        status, data = await asyncio.wait_for(request, 30)
+        assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 20)
+        metrics = app.service.metrics
+        assert metrics.migrations.values == {(("cause", "drain"), ("engine", victim)): 1} and not metrics.errors.values
+        await asyncio.wait_for(stopping, 5)
+        assert app.engines[victim].runner.held() == []
+
+    slow_prefill = args(
+        router={"mode": "disaggregated", "max_attempts": 1, "local_prefill_max_tokens": 0},
+        prefill={"num_replicas": 2},
+        decode={"num_replicas": 2},
+        mock={"decode_step_s": 0.001, "prefill_s_per_token": 0.12},
+    )
+    run(body, slow_prefill, tiny_tokenizer, recording_router_metrics())
+
+
 def test_prefix_routing_keeps_each_prefix_on_one_prefill_and_one_decode_engine(tiny_tokenizer):
     """router.balancer: prefix through the whole schedule: both choices (decode first, then
     prefill) follow the prompt's prefix, outputs are unchanged, and the router counts the prompt

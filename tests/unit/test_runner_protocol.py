@@ -23,7 +23,7 @@ def kind(function: object) -> str:
 
 @pytest.mark.parametrize("runner", [VLLMRunner, MockEngine], ids=lambda c: c.__name__)
 def test_a_runner_has_every_method_of_the_protocol_with_its_parameters(runner):
-    assert set(METHODS) == {"start", "generate", "abort", "check_health", "stats", "transfers", "transfer_record", "shutdown"}
+    assert set(METHODS) == {"start", "generate", "abort", "held", "check_health", "stats", "transfers", "transfer_record", "shutdown"}
     for name in METHODS:
         want, got = getattr(EngineRunner, name), getattr(runner, name)
         assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), name
