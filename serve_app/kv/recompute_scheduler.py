@@ -14,6 +14,9 @@ computed and then dropped either; where vLLM schedules a step ahead (pipeline pa
 scheduling) the victim's token of the step already under way is dropped with it, and the router
 resumes from the tokens it streamed.
 
+vLLM's ``reset_prefix_cache(reset_running_requests=True)`` (which pd-serve never calls) preempts
+every running request: here each is given back the same way.
+
 Enable it with ``scheduler_cls="serve_app.kv.recompute_scheduler.RecomputeScheduler"`` (the CPU
 backend does for decode engines when ``decode.recompute`` is on). It runs in the engine-core
 process.
@@ -25,7 +28,7 @@ import logging
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from serve_app.runtime.private_symbols import unchanged
@@ -51,6 +54,10 @@ class RecomputeScheduler(Scheduler):
         assert request.status == RequestStatus.RUNNING, "only running requests are preempted"
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = RECOMPUTED
+        # A preemption all the same, for vLLM's own count (vllm:num_preemptions) and events.
+        request.num_preemptions += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
         # Frees the blocks (and tells the KV connector) now, so the allocation that needed them
         # can retry in this same scheduling pass.
         self._free_request(request)

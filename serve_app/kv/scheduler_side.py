@@ -54,11 +54,18 @@ def post_metaserver(url: str, body: dict[str, Any]) -> None:
         try:
             _KEPT_ALIVE.post(url, data)
             return
+        except RelayRefused as exc:  # answered: the attempt is over there, or the URL is not its
+            logger.info("the metaserver relay took no KV parameters for %s: %s", body.get("request_id"), exc)
+            return
         except Exception as exc:
             if attempt == METASERVER_RETRIES:
                 logger.warning("metaserver unreachable for %s: %s", body.get("request_id"), _error_kind(exc))
             else:
                 time.sleep(0.05 * attempt)
+
+
+class RelayRefused(RuntimeError):
+    """The relay answered with an error status: asking again gets the same answer."""
 
 
 class KeptAliveConnections:
@@ -108,7 +115,7 @@ class KeptAliveConnections:
                 raise
         cached[key] = (conn, time.monotonic())
         if status >= 400:
-            raise RuntimeError(f"the metaserver answered HTTP {status}")
+            raise RelayRefused(f"HTTP {status}")
 
 
 def _error_kind(exc: BaseException) -> str:

@@ -75,7 +75,9 @@ class SchedulerStatsThrottle:
         now = time.monotonic() if now is None else now
         # An idle engine steps no more: a step that leaves it with nothing running or waiting
         # always goes on, else its gauges would keep the last busy step's values until traffic.
-        idle = not getattr(stats, "num_running_reqs", 0) and not getattr(stats, "num_waiting_reqs", 0)
+        # Requests waiting for their KV are waiting too (vLLM counts them as skipped): a decode
+        # engine steps for each layer that arrives meanwhile.
+        idle = not any(getattr(stats, name, 0) for name in ("num_running_reqs", "num_waiting_reqs", "num_skipped_waiting_reqs"))
         if now < self._next_at and not idle and not _counted_per_step(stats):
             for name in CACHE_STATS_FIELDS:
                 value = getattr(stats, name, None)

@@ -181,6 +181,21 @@ def test_connector_callback_reaches_the_relay():
     run(body)
 
 
+def test_a_callback_the_relay_refuses_is_not_posted_again():
+    """A 404 means the attempt is over (aborted, timed out): posting it twice more only cost the
+    engine core's poster thread, and ended in a warning that the relay was unreachable."""
+    from serve_app.kv.scheduler_side import post_metaserver
+
+    async def body(relay: MetaserverRelay):
+        state = relay._server._server.server_state
+        _, url = relay.expect("att-1")
+        relay.forget("att-1")
+        await asyncio.to_thread(post_metaserver, url, {**KV_PARAMS, "token_ids": []})
+        assert state.total_requests == 1
+
+    run(body)
+
+
 def test_connector_callbacks_share_one_kept_alive_connection():
     """The engine core posts each request's callback; on one poster thread they reuse one
     connection instead of opening (and closing) one each."""

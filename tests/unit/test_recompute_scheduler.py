@@ -27,7 +27,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, FinishReason
+from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, FinishReason
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -284,7 +284,7 @@ def test_victim_is_given_back_with_blocks_freed_at_once_and_others_untouched():
     assert scheduler_output.finished_req_ids == {VICTIM}
     assert not scheduler_output.preempted_req_ids
     assert scheduler_output.num_scheduled_tokens == dict.fromkeys(SURVIVORS, 1)
-    assert victim.num_preemptions == 0
+    assert victim.num_preemptions == 1  # counted as vLLM counts its own preemptions
     assert scheduler.num_given_back == 1
 
     outputs = finish(scheduler, scheduler_output)
@@ -294,6 +294,8 @@ def test_victim_is_given_back_with_blocks_freed_at_once_and_others_untouched():
     assert end.new_token_ids == []
     assert end.finish_reason == FinishReason.STOP
     assert end.stop_reason == RECOMPUTED
+    # vLLM's metrics count it as a preemption (vllm:num_preemptions), as they would vLLM's own.
+    assert EngineCoreEventType.PREEMPTED in [event.type for event in end.events or []]
     # Everything it streamed before stays valid: no token dropped, none added.
     assert list(victim.output_token_ids) == before[VICTIM][1]
     assert len(victim.output_token_ids) == PRESSURE_STEP

@@ -98,3 +98,5 @@ def test_the_step_that_leaves_the_engine_idle_always_goes_on():
     assert idle is not None and idle.num_running_reqs == 0 and idle.prefix_cache_stats.queries == 10
     waiting = throttle.filter(step(0, num_waiting_reqs=1), now=0.3)
     assert waiting is None  # nothing running, one waiting: not idle
+    for_kv = throttle.filter(step(0, num_skipped_waiting_reqs=2), now=0.4)
+    assert for_kv is None  # nothing running, two waiting for their KV (vLLM's skipped): not idle
