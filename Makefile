@@ -9,8 +9,8 @@ INSTALLED := $(VENV)/.installed
 MODEL_DIR := .cache/tiny-llama
 MODEL := $(MODEL_DIR)/config.json
 CONFIG ?= configs/serve.yaml
-# vLLM 0.23's and vllm-ascend 0.23.0.post1's published archives, read (never installed) by the
-# Ascend checks in tests/unit/; fetched once, sha256-checked.
+# vLLM 0.23's, vllm-ascend 0.23.0.post1's and arctic-inference's published archives and the pinned
+# wheels' METADATA, read (never installed) by the Ascend checks in tests/unit/; fetched once, sha256-checked.
 REFERENCE := .cache/reference/.fetched
 # vLLM 0.23's Python package over the venv (PYTHONPATH), for tests/unit/test_on_vllm_023.py.
 VLLM023 := .cache/vllm-0.23/.built
