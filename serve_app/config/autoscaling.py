@@ -202,9 +202,15 @@ class SLOPolicy:
         now = getattr(ctx, "current_time", None)
         if now is None:
             now = time.time()
-        if state.get("slo_replicas") != current:  # the pool changed: its own p90 starts now
-            changed = "slo_replicas" in state  # (the first decision has nothing to wait for)
-            state["slo_replicas"], state["slo_since"] = current, now if changed else now - _settle_s(ctx)
+        before = state.get("slo_replicas")
+        if before is None:  # the first decision has nothing to wait for
+            state["slo_replicas"], state["slo_since"] = current, now - _settle_s(ctx)
+        elif current != before:
+            state["slo_replicas"] = current
+            if current > before:
+                # Grown: its own p90 starts now. (Shrunk: the p90 still covering the larger pool
+                # understates a miss, so nothing to wait for.)
+                state["slo_since"] = now
         desired = self.desired(current, observed)
         target = int(getattr(ctx, "target_num_replicas", current) or current)
         if desired > current and (current < target or now - state["slo_since"] < _settle_s(ctx)):

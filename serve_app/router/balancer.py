@@ -31,6 +31,11 @@ class EngineLoad:
     num_waiting: int = 0  # reported by the engine
     healthy: bool = False  # until its first stats answer, or Serve lists it running (EnginePool.join)
     draining: bool = False  # Serve is stopping it: never chosen again
+    # Calls to it failed (unreachable): not healthy again, whatever its stats say, until then
+    # (monotonic time), which doubles with each failure in a row (``EnginePool.mark_unhealthy``).
+    call_backoff_until: float = 0.0
+    call_failures: int = 0
+    last_call_failure: float = 0.0
 
 
 ScoreFn = Callable[[EngineLoad], int]

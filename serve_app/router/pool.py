@@ -42,6 +42,12 @@ SCORES: dict[Role, ScoreFn] = {"decode": decode_score, "prefill": prefill_score}
 # How long work sent to an engine counts in cache-aware routing's bound (halving each time).
 WORK_HALF_LIFE_S = 10.0
 MAX_GONE_REPLICAS = 4096  # replica ids remembered as gone (EnginePool._gone)
+# An engine whose calls fail is chosen for nothing for CALL_BACKOFF_S, doubled for each failure
+# in a row up to CALL_BACKOFF_MAX_S; failures further apart than CALL_FAILURES_FORGOTTEN_S are
+# not in a row.
+CALL_BACKOFF_S = 1.0
+CALL_BACKOFF_MAX_S = 30.0
+CALL_FAILURES_FORGOTTEN_S = 60.0
 
 
 def _outside_request(remote: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -326,10 +332,21 @@ class EnginePool:
         return member.kv_endpoint if member is not None else None
 
     def mark_unhealthy(self, name: str) -> None:
-        """Stop choosing an engine that just failed a call, until its stats answer again."""
+        """Stop choosing an engine whose call just failed (unreachable) for a while: 1 s, twice
+        that for each failure in a row, at most ``CALL_BACKOFF_MAX_S``. Its stats answering
+        again is not enough: they come through Serve, its calls through its own endpoint, and
+        an endpoint other routers cannot reach (a loopback one, a firewalled port) answers no
+        call while its stats do."""
         load = self.loads.get(name)
-        if load is not None:
-            load.healthy = False
+        if load is None:
+            return
+        now = time.monotonic()
+        if now - load.last_call_failure > CALL_FAILURES_FORGOTTEN_S:
+            load.call_failures = 0
+        load.call_failures += 1
+        load.last_call_failure = now
+        load.call_backoff_until = now + min(CALL_BACKOFF_S * 2 ** (load.call_failures - 1), CALL_BACKOFF_MAX_S)
+        load.healthy = False
 
     # ------------------------------------------------------------------ stats
     async def refresh(self, names: list[str] | None = None) -> None:
@@ -367,7 +384,7 @@ class EnginePool:
             if self.prefix is not None:
                 self.prefix.index.set_epoch(name, result.epoch)
                 self.prefix.index.set_capacity(name, result.kv_capacity_tokens // self.prefix.block_tokens)
-            load.healthy = result.healthy
+            load.healthy = result.healthy and time.monotonic() >= load.call_backoff_until
             load.kv_used_tokens = result.kv_used_tokens
             load.kv_capacity_tokens = result.kv_capacity_tokens
             load.num_waiting = result.num_waiting

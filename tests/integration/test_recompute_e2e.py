@@ -179,19 +179,21 @@ def resumed_under_pressure(app, body: dict[str, Any], first_seed: int, rounds: i
     and the recompute scheduler gives back the newest request first, so it is resumed. Not every
     time: the long streams give each other back too, and one may have moved away by the time
     ``body`` arrives, leaving its engine room. So up to ``rounds`` rounds, each with other long
-    streams, until one resumes it (checked: a second attempt, and a first one that ended early);
-    ``body``'s answer is the same in every round."""
+    streams, until one resumes it after some output (checked: a second attempt, and a first one
+    that ended early with tokens of its own, which the resumed attempt must go on from; one
+    given back before its first token tests nothing); ``body``'s answer is the same in every
+    round."""
     for round_ in range(rounds):
         got = _under_pressure(app, body, first_seed + 10 * round_, route)
         records = {}
         for engine in inspect(app, "decode", [got["id"] + "-1", got["id"] + "-2"]).values():
             records.update({a: r for a, r in engine["requests"].items() if r is not None})
-        if got["id"] + "-2" in records:
+        if got["id"] + "-2" in records and records[got["id"] + "-1"]["output_tokens"] > 0:
             assert records[got["id"] + "-1"]["output_tokens"] < len(got["tokens"]), records
             got["first_attempt_tokens"] = records[got["id"] + "-1"]["output_tokens"]
             return got
         wait_idle(app)
-    raise AssertionError(f"the request was never resumed in {rounds} rounds")
+    raise AssertionError(f"the request was never resumed after some output in {rounds} rounds")
 
 
 def _under_pressure(app, body: dict[str, Any], first_seed: int, route: str) -> dict[str, Any]:
@@ -246,7 +248,7 @@ def test_a_repetition_that_spans_attempts_ends_the_response_where_an_uninterrupt
     want = call(baseline_app, "completions", body)
     assert want["finish"] == "repetition" and want["tokens"] == [500] * repeats
     got = resumed_under_pressure(app, body, first_seed=60)
-    assert got["first_attempt_tokens"] < repeats  # the premise: a resumed attempt reached the repetition
+    assert 0 < got["first_attempt_tokens"] < repeats  # the premise: a resumed attempt reached the repetition
     assert got["tokens"] == want["tokens"] and got["finish"] == "repetition"
     wait_idle(app)
 
@@ -288,7 +290,6 @@ def test_structured_output_goes_on_where_the_earlier_attempt_left_off(app, basel
     want = call(baseline_app, "completions", body)
     assert want["finish"] == "stop" and re.fullmatch(regex, tiny_tokenizer.decode(want["tokens"], skip_special_tokens=True))
     got = resumed_under_pressure(app, body, first_seed=120)
-    assert got["first_attempt_tokens"] > 0, "the first attempt gave no output: nothing for the grammar to go on from"
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["finish"] == "stop"
     wait_idle(app)
 
@@ -311,7 +312,6 @@ def test_an_auto_tool_call_goes_on_where_the_earlier_attempt_left_off(app, basel
     want = call(baseline_app, "chat", {**body, "tool_choice": "none", "skip_special_tokens": False})
     assert want["finish"] == "stop" and re.fullmatch(regex, want["text"]), want["text"]
     got = resumed_under_pressure(app, body, first_seed=160, route="chat")
-    assert got["first_attempt_tokens"] > 0, "the first attempt gave no output: nothing for the parser to go on from"
     assert got["tokens"] == want["tokens"] and got["finish"] == "tool_calls" and not got["text"]
     (only,) = got["calls"].values()
     assert only["id"] and only["name"] == "plot"

@@ -7,6 +7,7 @@ transports share are in test_orchestration.py (the ``transport`` fixture); these
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -100,6 +101,7 @@ def test_a_stream_ends_when_its_client_leaves_even_if_the_cancellation_is_lost()
     class Deaf:
         def __init__(self) -> None:
             self.closed = asyncio.Event()
+            self.ran_out = False
 
         async def generate(self, request):
             try:
@@ -109,6 +111,7 @@ def test_a_stream_ends_when_its_client_leaves_even_if_the_cancellation_is_lost()
                     except asyncio.CancelledError:
                         pass  # lost
                     yield TokenDelta([i])
+                self.ran_out = True  # ended by itself: nobody closed it
             finally:
                 self.closed.set()
 
@@ -125,6 +128,7 @@ def test_a_stream_ends_when_its_client_leaves_even_if_the_cancellation_is_lost()
                 assert await response.content.readany()  # it streams
                 response.close()  # the client leaves
             await asyncio.wait_for(replica.closed.wait(), 2)
+            assert not replica.ran_out
         finally:
             await server.stop()
 
@@ -374,8 +378,11 @@ def test_an_error_answer_whose_body_never_ends_fails_the_call_at_once():
             client = EngineClient()
             try:
                 endpoint = EngineCallEndpoint(url=f"http://127.0.0.1:{port}", token="t")
+                started = time.monotonic()
                 with pytest.raises(EngineCallFailed) as caught:
                     await asyncio.wait_for(anext(client.stream(endpoint, EngineRequest("r-1", [1], b""))), 10)
+                # Its body read for DRAIN_TIMEOUT_S (1 s) at most, not until the phase's deadline.
+                assert time.monotonic() - started < 5
                 return str(caught.value)
             finally:
                 await client.close()

@@ -494,7 +494,10 @@ def test_each_doorbell_has_its_own_token():
 def test_settings_read_every_limit_from_the_connector_config():
     from types import SimpleNamespace
 
-    extra = {"handshake_timeout_s": 1.5, "max_pending_connections": 7, "max_early_bytes_per_connection": 99, "ack_timeout_s": 3}
+    from serve_app.wire.kv_limits import EXTRA_LIMITS
+
+    # A value of its own for every limit the config may set, none of them a default.
+    extra = {name: (100 + i if kind is int else 100.5 + i) for i, (name, kind) in enumerate(EXTRA_LIMITS.items())}
     config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_port=1, engine_id="e", is_kv_producer=False),
         cache_config=SimpleNamespace(block_size=4),
@@ -502,9 +505,10 @@ def test_settings_read_every_limit_from_the_connector_config():
         model_config=SimpleNamespace(max_model_len=32),
     )
     s = Settings.from_config(config)
-    assert (s.handshake_timeout_s, s.max_pending_connections, s.max_early_bytes_per_connection, s.ack_timeout_s) == (1.5, 7, 99, 3.0)
-    assert s.max_connections == 32 and s.early_wait_s == 5.0  # the defaults where nothing is said
-    assert time.monotonic() > 0
+    assert {name: getattr(s, name) for name in EXTRA_LIMITS} == extra
+    config.kv_transfer_config.kv_connector_extra_config = {"ack_timeout_s": 3}
+    s = Settings.from_config(config)
+    assert s.ack_timeout_s == 3.0 and s.max_connections == 32 and s.early_wait_s == 5.0  # defaults where nothing is said
 
 
 def _layer_frame(transfer: str = "x") -> list:
@@ -670,7 +674,9 @@ def test_an_unarmed_transfers_overflow_on_a_producers_connection_fails_that_tran
         peer.done("t-1", s1, frames=2)
         finished, failed = poll_until(consumer, "d-1")
         assert finished == {"d-1"} and failed == set()
-        assert not peer.closed_by_peer(timeout_s=0.2)
+        ack = peer.ack()
+        assert ack.transfer == "t-1" and ack.ok
+        assert peer.stays_open(timeout_s=0.2)
         arm(consumer, "d-2", "t-2", [4, 5], secret="secret-of-t-2")
         finished, failed = poll_until(consumer, "d-2")
         assert failed == {"d-2"} and "for 0.3s" in consumer.take_records()["t-2"]["error"]

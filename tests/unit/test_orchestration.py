@@ -218,13 +218,35 @@ def test_prefill_deadline_then_the_next_attempt_succeeds(tiny_tokenizer):
     run(body, args(router={"timeouts": {"kv_ready_s": 1, "prefill_s": 0.2, "first_token_s": 1, "request_s": 20}}), tiny_tokenizer)
 
 
+def test_an_engine_whose_calls_fail_is_not_chosen_again_when_its_stats_answer(tiny_tokenizer):
+    """Stats come through Serve, calls through the engine's own endpoint: an endpoint the router
+    cannot reach (a loopback one, a firewalled port) fails every call while the stats say the
+    engine is healthy. Marked unhealthy only until the next poll, it was chosen for about every
+    other request (its score stays the lowest), each costing an attempt."""
+    from serve_app.router.engine_client import EngineUnreachable
+
+    async def body(app: App) -> None:
+        broken = app.faults["decode-0"]
+        broken.stream_raises_after, broken.stream_error = 0, lambda: EngineUnreachable("connection refused")
+        for _ in range(10):
+            status, data = await completion(app, PROMPT)
+            assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 8)
+            await app.service.pool.refresh()  # as the poller does: its stats answer, healthy
+        assert broken.calls.count("generate") == 1  # tried once, then left alone for its backoff
+        assert app.faults["decode-1"].calls.count("generate") == 10
+
+    colocated = args(router={"mode": "colocated", "balancer": "load"})
+    run(body, colocated, tiny_tokenizer)
+
+
 def test_first_token_deadline_moves_to_the_other_decode_engine(tiny_tokenizer):
     async def body(app: App) -> None:
         hung = app.faults["decode-0"]
         hung.hang = True
         status, data = await completion(app, PROMPT)
         assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 8)
-        assert app.faults["decode-1"].calls.count("generate") >= 1
+        # The hung engine was tried first (else the deadline path went untested), then the other.
+        assert "generate" in hung.calls and app.faults["decode-1"].calls.count("generate") >= 1
 
     colocated = args(router={"mode": "colocated", "timeouts": {"kv_ready_s": 1, "prefill_s": 1, "first_token_s": 0.2, "request_s": 20}})
     run(body, colocated, tiny_tokenizer)
@@ -474,18 +496,22 @@ def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_
         call, stream = Call(), Stream()
         stream.pool = pool
         attempt = AttemptRun(executor, AttemptPlan("r-1", 1, PROMPT, 30, True), "decode-0", stream, request_deadline=time.monotonic() + 60)
-        tokens, failed = [], []
+        tokens, failed, at_the_end = [], [], None
         with mock.patch.object(pool, "start_prefill", return_value=call):
             try:
                 with mock.patch("serve_app.router.cdcp.PREFILL_LEAVING_GRACE_S", 0.1):
                     async for event in attempt.events():
                         tokens += event.delta.token_ids if isinstance(event, DeltaEvent) else []
                         failed += [event] if isinstance(event, AttemptFailed) else []
+                        if isinstance(event, DeltaEvent) and event.delta.finish_reason is not None:
+                            # Let go while the stream went on (0.6 s of tokens; the call's end
+                            # came by 0.3 s), not by the attempt's close below, which always does.
+                            load = pool.loads.get("prefill-0")
+                            at_the_end = (call.cancelled, load is None or load.inflight == 0)
             finally:
                 await attempt.close()
         assert tokens == list(range(30)) and not failed and attempt.phase.value == "decoding", (tokens, failed)
-        assert how == "call fails" or call.cancelled
-        assert pool.loads.get("prefill-0") is None or pool.loads["prefill-0"].inflight == 0
+        assert at_the_end == (how != "call fails", True)
 
     asyncio.run(main())
 

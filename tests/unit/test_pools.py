@@ -115,6 +115,9 @@ def test_the_slo_policy_does_not_compound_a_ratio_measured_before_its_last_scale
     assert decide(4, 4, 90.0 + autoscaling.LATENCY_WINDOW_S + 11) == pytest.approx(8.0)  # its own miss
     fast = {autoscaling.ITL_P90: [0.01] * 4}
     assert decide(4, 8, 200.0, fast) < 4.0  # scaling down is never held
+    # Shrunk (to 2): a p90 that still covers the larger pool understates a miss, so a miss now
+    # is acted on at once, not held as after a growth.
+    assert decide(2, 2, 300.0) == 4.0
 
 
 def test_a_policy_is_what_serve_runs_from_the_config():
@@ -354,7 +357,9 @@ def test_attempts_waiting_for_an_engine_share_one_poll_of_the_engines():
 
     assert asyncio.run(main()) == [None] * 100
     polls = len(handle.calls) / 5
-    assert polls <= 8, f"{len(handle.calls)} stats calls to 5 engines in 1 s"  # one poll per 0.2 s look, shared
+    # One poll per 0.2 s look, shared; and some: the waiting attempts look again, or an engine
+    # that came back would never be seen.
+    assert 2 <= polls <= 8, f"{len(handle.calls)} stats calls to 5 engines in 1 s"
 
 
 def test_a_stats_answer_for_an_engine_that_left_is_not_taken_for_its_successor_of_that_name():

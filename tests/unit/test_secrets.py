@@ -61,7 +61,8 @@ def test_a_transport_error_leaks_neither_the_token_nor_the_url(tiny_tokenizer, s
                 else:
                     seen = response.body.decode()
             assert "error" in seen and '"code":502' in seen.replace(" ", "")
-            lines = [r.getMessage() + str(getattr(r, "exc_text", "") or "") for r in logs.records]
+            # Formatted as a log handler writes them, tracebacks included.
+            lines = [logging.Formatter().format(r) for r in logs.records]
             failures = "\n".join(line for line in lines if "attempt" in line or "gave up" in line)
             assert "failed" in failures  # the failures were logged...
             for secret in [e.token for e in endpoints]:
