@@ -462,7 +462,7 @@ def _sampling_params(
     try:
         params = request.to_sampling_params(max_tokens, dict(ctx.sampling_defaults))
     except _client_errors() as exc:
-        raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
+        raise bad_request(str(exc), param=_param_of(exc, type(request))) from None
 
     if isinstance(tool_choice, ForcedCall | RequiredCalls):
         from vllm.sampling_params import StructuredOutputsParams
@@ -622,11 +622,11 @@ def validated(model: Any, body: dict[str, Any]) -> Any:
         # A model validator's error has no field location; vLLM's own validation error names
         # the parameter (on vLLM 0.23 it is a ValueError, so pydantic wraps it and keeps it here).
         cause = (first.get("ctx") or {}).get("error")
-        param = ".".join(str(p) for p in first.get("loc", ())) or getattr(cause, "parameter", None)
+        param = ".".join(str(p) for p in first.get("loc", ())) or (_param_of(cause, model) if cause is not None else None)
         message = "; ".join(_describe(err) for err in errors[:5]) or str(exc)
         raise bad_request(message, param=param) from None
     except _client_errors() as exc:
-        raise bad_request(str(exc), param=getattr(exc, "parameter", None)) from None
+        raise bad_request(str(exc), param=_param_of(exc, model)) from None
     except (TypeError, AttributeError, KeyError, IndexError) as exc:
         # vLLM's "before" validators read the raw body assuming the right shapes (a list where
         # they expect a dict fails on .get): a body of the wrong shape, so the client's 400.
@@ -637,6 +637,23 @@ def _installed_vllm_clamps() -> bool:
     from serve_app.runtime.compat import CLAMPS_MAX_TOKENS
 
     return CLAMPS_MAX_TOKENS
+
+
+def _param_of(exc: BaseException, model: Any) -> str | None:
+    """The request field a vLLM validation error is about: the one it names, else the field its
+    message begins with ("min_tokens must be ...": vLLM names few), where ``model`` (the
+    request's pydantic model) has such a field."""
+    named = getattr(exc, "parameter", None)
+    if named:
+        return _REQUEST_FIELD.get(str(named), str(named))
+    match = _LEADING_NAME.match(str(exc))
+    return match.group(1) if match and match.group(1) in getattr(model, "model_fields", {}) else None
+
+
+_LEADING_NAME = re.compile(r"\s*([a-z_][a-z0-9_]*)\b")
+# SamplingParams' names for what the client sent under another: the engine's extra_args come
+# from the request's vllm_xargs (and fields vLLM copies in).
+_REQUEST_FIELD = {"extra_args": "vllm_xargs"}
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:
@@ -663,7 +680,8 @@ def _check_encodable(params: Any) -> None:
     except OverflowError:
         low, high = INT_RANGE
         bad = next((name for name in params.__struct_fields__ if _out_of_range(getattr(params, name, None))), None)
-        raise bad_request(f"A number is outside the range this server accepts ({low} to {high})", param=bad) from None
+        param = _REQUEST_FIELD.get(bad, bad) if bad is not None else None
+        raise bad_request(f"A number is outside the range this server accepts ({low} to {high})", param=param) from None
 
 
 # vLLM's own checks of token ids a request names (columns of the logits tensor): run by vLLM's

@@ -51,12 +51,12 @@ HOSTILE = {
     "stop_token_ids": ({"stop_token_ids": [BIG]}, "stop_token_ids"),
     "allowed_token_ids": ({"allowed_token_ids": [BIG]}, "allowed_token_ids"),
     "logit_bias key": ({"logit_bias": {str(BIG): 1.0}}, "logit_bias"),
-    "negative top_k": ({"top_k": -BIG}, None),  # vLLM's own check refuses it first
+    "negative top_k": ({"top_k": -BIG}, "top_k"),  # vLLM's own check refuses it first
     "seed": ({"seed": BIG}, "seed"),
     "negative seed": ({"seed": -BIG}, "seed"),
     "max_tokens": ({"max_tokens": BIG}, "max_tokens"),
-    "min_tokens": ({"min_tokens": BIG}, None),
-    "vllm_xargs value": ({"vllm_xargs": {"my_arg": BIG}}, None),
+    "min_tokens": ({"min_tokens": BIG}, "min_tokens"),
+    "vllm_xargs value": ({"vllm_xargs": {"my_arg": BIG}}, "vllm_xargs"),
     "negative stop_token_ids": ({"stop_token_ids": [-BIG]}, "stop_token_ids"),
     "surrogate prompt": ({"prompt": "hi \ud800 there"}, "prompt"),
     "surrogate model": ({"model": "\ud800"}, "model"),
