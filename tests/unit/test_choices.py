@@ -257,7 +257,7 @@ def test_a_client_gone_mid_stream_stops_every_choice(tiny_tokenizer):
         ({"prompt": PROMPT, "n": 5, "temperature": 1.0}, "n", "n=5 asks for 5 choices; this server allows at most 4"),
         ({"prompt": [PROMPT, OTHER, PROMPT], "n": 2, "temperature": 1.0}, "prompt", "3 prompts times n=2 asks for 6 choices"),
         ({"prompt": [PROMPT] * 5}, "prompt", "5 prompts asks for 5 choices"),
-        ({"prompt": PROMPT, "n": 2, "temperature": 0}, None, "n must be 1 when using greedy sampling"),
+        ({"prompt": PROMPT, "n": 2, "temperature": 0}, "n", "n must be 1 when using greedy sampling"),
         ({"prompt": PROMPT, "n": 0}, "n", "n must be at least 1"),
         ({"prompt": [PROMPT, [1, 999999]]}, "prompt", "Token id 999999 in prompt[1] is out of range"),
         ({"prompt": [PROMPT, []]}, "prompt", "The prompt[1] is empty"),
