@@ -52,7 +52,11 @@ class EngineCallServer:
         self._replica = replica
         self.token = secrets.token_urlsafe(32)
         self._authorization = f"Bearer {self.token}".encode()
-        self._server = InReplicaServer(self, listening_socket(host, 0, backlog=1024), keep_alive_s=SERVER_KEEP_ALIVE_S)
+        # No write deadline: a router reads a stream as fast as its own client does, and bounds
+        # its calls itself (its client's own server cuts off a client that stops reading).
+        self._server = InReplicaServer(
+            self, listening_socket(host, 0, backlog=1024), keep_alive_s=SERVER_KEEP_ALIVE_S, write_stall_s=None
+        )
         bound_host, port = self._server.address[:2]
         self.endpoint = EngineCallEndpoint(url=f"http://{bound_host}:{port}", token=self.token)
         logger.info("engine call endpoint at %s", self.endpoint.url)

@@ -370,7 +370,13 @@ class MockEngine:
         try:
             cached = int(params.get("remote_cached_tokens") or 0)
             async with self._compute:
-                await asyncio.sleep(self.costs.prefill_s_per_token * max(0, len(seq.prompt) - cached))
+                # An abort (``_finish``) ends the computation, as vLLM's does.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(seq.wake.wait(), self.costs.prefill_s_per_token * max(0, len(seq.prompt) - cached))
+            if seq.finish_reason == "abort":
+                record["finish_reason"] = "abort"
+                yield TokenDelta(token_ids=[], finish_reason="abort")
+                return
             if params.get("do_remote_decode") and params.get("remote_host"):
                 await self._push(seq, params)
             record["output_tokens"], record["finish_reason"] = 1, "length"

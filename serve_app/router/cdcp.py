@@ -283,6 +283,7 @@ class AttemptRun:
         self.next_item: asyncio.Future | None = None
         self.started = time.monotonic()
         self.prefill_started = 0.0
+        self.decode_answered = False  # the decode engine's first item came (its call went through)
         # The phase and its deadline move only through ``_advance`` (router/attempt_phase.py).
         self.phase = AttemptPhase.STARTING
         self.deadline: float | None = None
@@ -456,6 +457,7 @@ class AttemptRun:
             self.executor.pool.drain(self.prefill)
             return AttemptFailed("the prefill engine was stopped", True, self.prefill, 503, MOVED)
         self.executor.metrics.prefill.observe(time.monotonic() - self.prefill_started)
+        self.executor.pool.call_succeeded(self.prefill)
         self.prefill_lease.close()  # its prompt is no longer queued on that engine
         self._advance(PhaseEvent.PREFILL_DONE)
         return PrefillDoneEvent(self.prefill, task.result())
@@ -470,6 +472,9 @@ class AttemptRun:
             reason, detail = failure_of("decode", error)
             yield AttemptFailed(reason, True, self.decode, 502, "decode", detail)
             return
+        if not self.decode_answered:
+            self.decode_answered = True
+            self.executor.pool.call_succeeded(self.decode)
         if isinstance(item, KVReady):
             if not allowed(self.phase, PhaseEvent.KV_READY):  # a second one: never a second prefill
                 yield self._protocol_error(f"a KVReady while {self.phase.value}")

@@ -341,12 +341,19 @@ class EnginePool:
         if load is None:
             return
         now = time.monotonic()
-        if now - load.last_call_failure > CALL_FAILURES_FORGOTTEN_S:
+        if now - load.last_call_failure > CALL_FAILURES_FORGOTTEN_S:  # (or a call went through since)
             load.call_failures = 0
         load.call_failures += 1
         load.last_call_failure = now
         load.call_backoff_until = now + min(CALL_BACKOFF_S * 2 ** (load.call_failures - 1), CALL_BACKOFF_MAX_S)
         load.healthy = False
+
+    def call_succeeded(self, name: str) -> None:
+        """A call to the engine went through: its earlier failures are not in a row with a
+        later one."""
+        load = self.loads.get(name)
+        if load is not None:
+            load.call_failures = 0
 
     # ------------------------------------------------------------------ stats
     async def refresh(self, names: list[str] | None = None) -> None:

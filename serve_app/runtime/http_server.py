@@ -67,11 +67,11 @@ SERVER_STATE = ("uvicorn.server.ServerState.connections", "uvicorn.server.Server
 # (``max_pending``): younger ones may just not have been read yet (a burst, accepted in one turn
 # of the loop), and those the server's limit answers with a 503 as before.
 PENDING_MIN_AGE_S = 1.0
-# A response's writes may wait this long for a client that reads nothing (the transport's buffer
-# past its high-water mark, or left unsent at a close) before the connection is aborted: without
-# it a client that stops reading holds its request, its engine's work and its place in
+# A response's writes may wait this long for a client that reads nothing of them (the transport's
+# buffer past its high-water mark, or left unsent at a close) before the connection is aborted:
+# without it a client that stops reading holds its request, its engine's work and its place in
 # ``limit_concurrency`` for good (uvicorn awaits room to write without a bound, and a close
-# waits for the buffer to drain).
+# waits for the buffer to drain). A client that reads, however slowly, gets another interval.
 WRITE_STALL_S = 30.0
 # Bytes of a chunked body that are not its data (chunk headers, their extensions, trailers), per
 # chunk: a chunk header is a few bytes, so only trailers or extensions pass this. httptools keeps
@@ -120,6 +120,7 @@ class CoalescingTransport:
         self._transport = transport
         self._pending: list[bytes] = []
         self._write_stall_s = write_stall_s
+        self._close_check: asyncio.TimerHandle | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -149,9 +150,22 @@ class CoalescingTransport:
     def close(self) -> None:
         self._flush()
         self._transport.close()
-        if self._write_stall_s is not None and self._transport.get_write_buffer_size():
+        left = self._transport.get_write_buffer_size()
+        if self._write_stall_s is not None and self._close_check is None and left:
             # A close waits for the buffer to drain: a client that reads nothing gets it aborted.
-            asyncio.get_running_loop().call_later(self._write_stall_s, self._transport.abort)
+            self._watch_close(left)
+
+    def _watch_close(self, left: int) -> None:
+        assert self._write_stall_s is not None
+        self._close_check = asyncio.get_running_loop().call_later(self._write_stall_s, self._close_stalled, left)
+
+    def _close_stalled(self, left: int) -> None:
+        self._close_check = None
+        now = self._transport.get_write_buffer_size()
+        if now and now < left:
+            self._watch_close(now)  # read from, slowly: another interval
+        elif now:
+            self._transport.abort()
 
     def abort(self) -> None:
         self._pending = []
@@ -223,6 +237,7 @@ def coalescing_http_protocol(
         _header_tail = b""
         _answer_then_close = False  # shut down while its request was arriving
         _write_deadline: asyncio.TimerHandle | None = None
+        _write_left = 0  # bytes waiting to be written when the deadline was set
         # httptools: the requests of this connection whose responses are not complete (one
         # running, any pipelined behind it), and the bytes of a chunked body that were not data.
         _open_cycles: tuple[Any, ...] = ()
@@ -253,9 +268,12 @@ def coalescing_http_protocol(
                 self._header_bytes += part
                 self._header_tail = seen[-3:]
             super().data_received(data)
-            if self._in_body and self._framing_bytes > max_header_bytes:
-                self._refuse_header()  # trailers (or chunk extensions) past the header bound
-                return
+            if self._in_body:
+                if self._framing_bytes > max_header_bytes:
+                    self._refuse_header()  # trailers (or chunk extensions) past the header bound
+                    return
+                # A read's small chunks (less framing than allowed) earn no credit for later ones.
+                self._framing_bytes = max(self._framing_bytes, 0)
             if h11_based:  # h11 has no parser callbacks: its state says where the request is
                 self._follow_h11_state()
                 if self._answer_then_close and self.cycle is not None:
@@ -288,7 +306,12 @@ def coalescing_http_protocol(
 
         def pause_writing(self) -> None:
             super().pause_writing()
-            if write_stall_s is not None and self._write_deadline is None:
+            if self._write_deadline is None:
+                self._arm_write_deadline()
+
+        def _arm_write_deadline(self) -> None:
+            if write_stall_s is not None:
+                self._write_left = self.transport.get_write_buffer_size()
                 self._write_deadline = asyncio.get_running_loop().call_later(write_stall_s, self._write_stalled)
 
         def resume_writing(self) -> None:
@@ -297,6 +320,9 @@ def coalescing_http_protocol(
 
         def _write_stalled(self) -> None:
             self._write_deadline = None
+            if self.transport.get_write_buffer_size() < self._write_left:
+                self._arm_write_deadline()  # the client reads, slowly: another interval
+                return
             self.transport.abort()  # uvicorn then tells the request its client is gone
 
         def _write_done(self) -> None:

@@ -336,3 +336,76 @@ def test_a_client_gone_while_a_request_waits_behind_its_running_one_ends_the_run
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_small_chunks_earn_no_credit_for_trailers():
+    """Each chunk header is allowed some framing bytes: a run of tiny chunks left the unused
+    allowance as credit, which later trailers then spent past the bound."""
+
+    def tiny_chunks_then_trailers(port: int) -> int:
+        sent = 0
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(200):  # 200,000 chunks of one byte: 11 MB of unused allowance
+                sock.sendall(b"1\r\nx\r\n" * 1000)
+            sock.sendall(b"0\r\n")
+            try:
+                for _ in range(512):  # 8 MiB of trailers (more than the sockets' buffers), against a 64 KiB bound
+                    sock.sendall(b"X-T: " + b"t" * (16 * 1024 - 7) + b"\r\n")
+                    sent += 16 * 1024
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        return sent
+
+    async def main() -> None:
+        app = Starlette(routes=[Route("/", _unauthorized, methods=["POST"])])
+        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), max_header_bytes=64 * 1024, http="httptools")
+        try:
+            sent = await asyncio.to_thread(tiny_chunks_then_trailers, server.address[1])
+            assert sent < 8 << 20, "every trailer was taken in"
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_client_that_reads_slowly_is_not_cut_off():
+    """The write deadline is for a client that reads nothing: one that reads, however slowly,
+    gets another interval each time its waiting data shrank."""
+    chunks, size = 64, 16 * 1024
+
+    async def stream(request: Request) -> StreamingResponse:
+        async def body():
+            for _ in range(chunks):
+                yield b"x" * size
+                await asyncio.sleep(0)
+
+        return StreamingResponse(body())
+
+    def read_slowly(port: int) -> int:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(30)
+        with sock:
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            got = b""
+            while chunk := sock.recv(size):
+                got += chunk
+                time.sleep(0.05)  # about 300 KB/s: the server's writes wait on it throughout
+        return len(got.split(b"\r\n\r\n", 1)[1])
+
+    async def main() -> None:
+        app = Starlette(routes=[Route("/", stream, methods=["GET"])])
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted sockets inherit it
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        server = InReplicaServer(app, listener, write_stall_s=0.3)
+        try:
+            received = await asyncio.to_thread(read_slowly, server.address[1])
+            assert received >= chunks * size  # the whole body (and its chunked framing), not cut off
+        finally:
+            await server.stop()
+
+    asyncio.run(main())

@@ -1341,6 +1341,33 @@ def test_a_stream_still_without_output_at_the_drains_deadline_ends_as_moved(tiny
     run(body, slow_prefill, tiny_tokenizer, recording_router_metrics())
 
 
+def test_a_prefill_still_running_at_the_drains_deadline_is_a_move(tiny_tokenizer):
+    """A prefill engine's drain deadline aborts the prompt it still computes: the router
+    resumes the request elsewhere as a move (no attempt spent, no error), not as a failed call."""
+
+    async def body(app: App) -> None:
+        request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=20))
+        deadline = time.monotonic() + 5
+        while not (holders := [n for n, e in app.engines.items() if n.startswith("prefill") and e.runner.held()]):
+            assert time.monotonic() < deadline, "no prefill engine took the request"
+            await asyncio.sleep(0.005)
+        (victim,) = holders
+        app.engines[victim].drain_s = 0.2  # well before its prefill ends (about 1 s)
+        stopping = asyncio.ensure_future(app.engines[victim].__del__())
+        status, data = await asyncio.wait_for(request, 30)
+        assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 20)
+        metrics = app.service.metrics
+        assert metrics.migrations.values == {(("cause", "drain"), ("engine", victim)): 1} and not metrics.errors.values
+        await asyncio.wait_for(stopping, 5)
+
+    slow_prefill = args(
+        router={"mode": "disaggregated", "max_attempts": 1, "local_prefill_max_tokens": 0},
+        prefill={"num_replicas": 2},
+        mock={"decode_step_s": 0.001, "prefill_s_per_token": 0.12},
+    )
+    run(body, slow_prefill, tiny_tokenizer, recording_router_metrics())
+
+
 def test_prefix_routing_keeps_each_prefix_on_one_prefill_and_one_decode_engine(tiny_tokenizer):
     """router.balancer: prefix through the whole schedule: both choices (decode first, then
     prefill) follow the prompt's prefix, outputs are unchanged, and the router counts the prompt

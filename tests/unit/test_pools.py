@@ -409,3 +409,34 @@ def test_a_replica_that_joined_is_not_dropped_by_a_list_published_late():
     assert sorted(pool.members) == ["decode-1", "decode-2"]
     pool.update("decode", three, "b")  # and b's late list does not bring it back
     assert sorted(pool.members) == ["decode-1", "decode-2"]
+
+
+def test_an_engines_call_failures_back_it_off_longer_only_while_none_goes_through(monkeypatch):
+    """An engine whose calls fail is left alone 1 s, then 2, 4, ... while they keep failing; a
+    call that went through in between makes the next failure a first one again (else a healthy
+    engine with a rare transient failure was left out for up to 30 s at a time)."""
+    from serve_app.router import pool as pool_module
+
+    now = [1000.0]
+    monkeypatch.setattr(pool_module.time, "monotonic", lambda: now[0])
+    pool = EnginePool({})
+    pool.attach("decode", SlowStatsHandle(delay_s=0.0))
+    pool.update("decode", [ReplicaInfo("d0", "decode", "decode-0")])
+    load = pool.loads["decode-0"]
+
+    def backoff_after_failure() -> float:
+        pool.mark_unhealthy("decode-0")
+        return load.call_backoff_until - now[0]
+
+    assert backoff_after_failure() == 1.0
+    now[0] += 5
+    assert backoff_after_failure() == 2.0  # in a row: nothing went through since
+    now[0] += 5
+    assert backoff_after_failure() == 4.0
+    pool.call_succeeded("decode-0")
+    now[0] += 5
+    assert backoff_after_failure() == 1.0  # a call went through in between
+    for _ in range(10):
+        now[0] += 1
+        backoff = backoff_after_failure()
+    assert backoff == pool_module.CALL_BACKOFF_MAX_S
