@@ -34,7 +34,8 @@ _closing: set[asyncio.Future] = set()
 
 class EngineUnreachable(ConnectionError):
     """The engine replica's endpoint did not answer, or its connection broke: the replica is
-    gone or restarting (Serve replaces it), so the router stops choosing it until its stats answer."""
+    gone or restarting (Serve replaces it), or unreachable from here: the router leaves it alone
+    for a backoff that grows while its calls keep failing (``EnginePool.mark_unhealthy``)."""
 
 
 class EngineCallFailed(RuntimeError):
