@@ -371,8 +371,9 @@ class MockEngine:
             cached = int(params.get("remote_cached_tokens") or 0)
             async with self._compute:
                 # An abort (``_finish``) ends the computation, as vLLM's does.
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(seq.wake.wait(), self.costs.prefill_s_per_token * max(0, len(seq.prompt) - cached))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.costs.prefill_s_per_token * max(0, len(seq.prompt) - cached)):
+                        await seq.wake.wait()
             if seq.finish_reason == "abort":
                 record["finish_reason"] = "abort"
                 yield TokenDelta(token_ids=[], finish_reason="abort")

@@ -60,7 +60,7 @@ class Prefill(EngineServer):
             # overload those are the slowest, and leaving them out would read as an idle pool.
             now = time.monotonic()
             self.latency.add(now, now - arrived)
-        if finish_reason == "abort" and self.draining:
+        if finish_reason in (None, "abort") and self.draining:
             # Aborted at the drain's deadline (server.py): the router resumes it elsewhere, as a move.
             return PrefillResult(request_id=request.request_id, num_prompt_tokens=tokens, finish_reason=MOVED)
         if finish_reason not in ("stop", "length"):

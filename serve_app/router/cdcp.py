@@ -421,6 +421,8 @@ class AttemptRun:
                     self.prefill_call.cancel()
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its outcome no longer matters
         logger.info("attempt %s: the prefill call on %s %s after its push; decoding on", self.plan.attempt_id, self.prefill, why)
+        if self.prefill is not None:
+            self.executor.pool.call_succeeded(self.prefill)  # its push went through
         self.prefill_grace_end = None
         self.prefill_lease.close()
         self._advance(PhaseEvent.PREFILL_DONE)
@@ -444,7 +446,9 @@ class AttemptRun:
         assert task is not None and self.prefill is not None
         exc = task.exception()
         if exc is not None:
-            if engine_gone(exc):
+            # (Once tokens flow its push went through: a call that breaks then says little of
+            # its engine, and its stats still tell if it is gone.)
+            if engine_gone(exc) and self.phase is not AttemptPhase.PREFILL_ENDING:
                 self.executor.pool.mark_unhealthy(self.prefill)
             if self.phase is AttemptPhase.PREFILL_ENDING:
                 self.prefill_task = task

@@ -341,6 +341,11 @@ class EnginePool:
         if load is None:
             return
         now = time.monotonic()
+        load.healthy = False
+        if now < load.call_backoff_until:
+            # Calls that were under way when it became unreachable (a stream each): one event,
+            # not failures in a row.
+            return
         if now - load.last_call_failure > CALL_FAILURES_FORGOTTEN_S:  # (or a call went through since)
             load.call_failures = 0
         load.call_failures += 1

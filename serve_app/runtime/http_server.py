@@ -35,6 +35,7 @@ PROTOCOL_SYMBOLS = {
             "data_received",
             "connection_lost",
             "on_message_begin",
+            "on_header",
             "on_headers_complete",
             "on_body",
             "on_message_complete",
@@ -243,6 +244,7 @@ def coalescing_http_protocol(
         _open_cycles: tuple[Any, ...] = ()
         _in_body = False
         _framing_bytes = 0
+        _trailer_bytes = 0  # of the trailer fields parsed (httptools hands them to uvicorn as headers)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(CoalescingTransport(transport, write_stall_s))  # type: ignore[arg-type]
@@ -267,11 +269,15 @@ def coalescing_http_protocol(
                     return
                 self._header_bytes += part
                 self._header_tail = seen[-3:]
+            was_in_body = self._in_body
             super().data_received(data)
+            if was_in_body and (self._framing_bytes > max_header_bytes or self._trailer_bytes > max_header_bytes):
+                # Trailers (or chunk extensions) past the header bound, checked on the read that
+                # ended the body too: the framing count bounds a field still arriving (httptools
+                # holds it whole), the trailer count the fields uvicorn keeps.
+                self._refuse_header()
+                return
             if self._in_body:
-                if self._framing_bytes > max_header_bytes:
-                    self._refuse_header()  # trailers (or chunk extensions) past the header bound
-                    return
                 # A read's small chunks (less framing than allowed) earn no credit for later ones.
                 self._framing_bytes = max(self._framing_bytes, 0)
             if h11_based:  # h11 has no parser callbacks: its state says where the request is
@@ -291,7 +297,12 @@ def coalescing_http_protocol(
             if self._answer_then_close:
                 self.cycle.keep_alive = False
             self._open_cycles = (*(c for c in self._open_cycles if not c.response_complete), self.cycle)
-            self._in_body, self._framing_bytes = True, 0
+            self._in_body, self._framing_bytes, self._trailer_bytes = True, 0, 0
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            super().on_header(name, value)
+            if not self._in_header:  # after the header: a chunked body's trailer
+                self._trailer_bytes += len(name) + len(value) + 4
 
         def on_body(self, body: bytes) -> None:
             self._framing_bytes -= len(body)

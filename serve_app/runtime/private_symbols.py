@@ -597,6 +597,7 @@ _ENTRIES: tuple[Symbol, ...] = (
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "connection_lost", "(self, exc)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_message_begin", "(self)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_headers_complete", "(self)"),
+    _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_header", "(self, name, value)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_body", "(self, body)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "on_message_complete", "(self)"),
     _protocol_method(_HTTPTOOLS, "HttpToolsProtocol", "pause_writing", "(self)"),

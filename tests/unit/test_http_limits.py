@@ -409,3 +409,34 @@ def test_a_client_that_reads_slowly_is_not_cut_off():
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_trailers_on_the_read_that_ends_the_body_count_too():
+    """The bound was checked only while the body was still arriving: trailers on the read that
+    ended it (after small chunks' allowance, in the same read) were kept whatever their size."""
+
+    def one_write(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            request = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+            sock.sendall(request)
+            time.sleep(0.2)  # the header read on its own: the body's reads are counted
+            trailers = b"".join(b"X-T%d: %s\r\n" % (i, b"t" * 1000) for i in range(100))  # 100 KB
+            sock.sendall(b"1\r\nx\r\n" * 2000 + b"0\r\n" + trailers + b"\r\n")
+            reply = b""
+            try:
+                while chunk := sock.recv(65536):
+                    reply += chunk
+            except ConnectionResetError:
+                pass
+        return reply
+
+    async def main() -> None:
+        app = Starlette(routes=[Route("/", _size, methods=["POST"])])
+        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), max_header_bytes=64 * 1024, http="httptools")
+        try:
+            reply = await asyncio.to_thread(one_write, server.address[1])
+            assert not reply.startswith(b"HTTP/1.1 200"), reply[:200]  # a 431, or reset: not served
+        finally:
+            await server.stop()
+
+    asyncio.run(main())

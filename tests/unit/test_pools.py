@@ -429,6 +429,9 @@ def test_an_engines_call_failures_back_it_off_longer_only_while_none_goes_throug
         return load.call_backoff_until - now[0]
 
     assert backoff_after_failure() == 1.0
+    for _ in range(5):  # the other streams it had, broken by the same event: not more in a row
+        pool.mark_unhealthy("decode-0")
+    assert load.call_backoff_until - now[0] == 1.0
     now[0] += 5
     assert backoff_after_failure() == 2.0  # in a row: nothing went through since
     now[0] += 5
@@ -436,7 +439,7 @@ def test_an_engines_call_failures_back_it_off_longer_only_while_none_goes_throug
     pool.call_succeeded("decode-0")
     now[0] += 5
     assert backoff_after_failure() == 1.0  # a call went through in between
-    for _ in range(10):
-        now[0] += 1
+    for _ in range(10):  # each failing again once its backoff is over: 2, 4, ... 30 s
+        now[0] = load.call_backoff_until + 0.5
         backoff = backoff_after_failure()
     assert backoff == pool_module.CALL_BACKOFF_MAX_S
