@@ -136,6 +136,21 @@ def test_connections_that_send_nothing_cannot_fill_the_server(http, monkeypatch)
     asyncio.run(main())
 
 
+def _against(handler, client, method: str = "POST", **limits) -> object:
+    """``client(port)``, run in a thread against an httptools server of ``handler`` at ``/``
+    with ``limits``; returns what it returned."""
+
+    async def main() -> object:
+        app = Starlette(routes=[Route("/", handler, methods=[method])])
+        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), http="httptools", **limits)
+        try:
+            return await asyncio.to_thread(client, server.address[1])
+        finally:
+            await server.stop()
+
+    return asyncio.run(main())
+
+
 async def _unauthorized(request: Request) -> JSONResponse:
     return JSONResponse({"error": "no key"}, status_code=401)  # answered without reading the body
 
@@ -159,16 +174,8 @@ def test_a_chunked_bodys_endless_trailers_are_cut_off_at_the_header_bound(reads_
                 pass
         return sent
 
-    async def main() -> None:
-        app = Starlette(routes=[Route("/", _size if reads_body else _unauthorized, methods=["POST"])])
-        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), max_header_bytes=64 * 1024, http="httptools")
-        try:
-            sent = await asyncio.to_thread(send_trailers, server.address[1])
-            assert sent < 8 << 20, f"{sent} bytes of trailers taken in"
-        finally:
-            await server.stop()
-
-    asyncio.run(main())
+    sent = _against(_size if reads_body else _unauthorized, send_trailers, max_header_bytes=64 * 1024)
+    assert sent < 8 << 20, f"{sent} bytes of trailers taken in"
 
 
 def test_a_chunked_body_of_many_small_chunks_and_a_short_trailer_is_served():
@@ -357,16 +364,8 @@ def test_small_chunks_earn_no_credit_for_trailers():
                 pass
         return sent
 
-    async def main() -> None:
-        app = Starlette(routes=[Route("/", _unauthorized, methods=["POST"])])
-        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), max_header_bytes=64 * 1024, http="httptools")
-        try:
-            sent = await asyncio.to_thread(tiny_chunks_then_trailers, server.address[1])
-            assert sent < 8 << 20, "every trailer was taken in"
-        finally:
-            await server.stop()
-
-    asyncio.run(main())
+    sent = _against(_unauthorized, tiny_chunks_then_trailers, max_header_bytes=64 * 1024)
+    assert sent < 8 << 20, "every trailer was taken in"
 
 
 def test_a_client_that_reads_slowly_is_not_cut_off():
@@ -430,13 +429,5 @@ def test_trailers_on_the_read_that_ends_the_body_count_too():
                 pass
         return reply
 
-    async def main() -> None:
-        app = Starlette(routes=[Route("/", _size, methods=["POST"])])
-        server = InReplicaServer(app, listening_socket("127.0.0.1", 0), max_header_bytes=64 * 1024, http="httptools")
-        try:
-            reply = await asyncio.to_thread(one_write, server.address[1])
-            assert not reply.startswith(b"HTTP/1.1 200"), reply[:200]  # a 431, or reset: not served
-        finally:
-            await server.stop()
-
-    asyncio.run(main())
+    reply = _against(_size, one_write, max_header_bytes=64 * 1024)
+    assert not reply.startswith(b"HTTP/1.1 200"), reply[:200]  # a 431, or reset: not served

@@ -1309,11 +1309,13 @@ def test_a_decode_replica_serve_stops_ends_its_streams_as_moved_and_the_router_r
     run(body, app_args, tiny_tokenizer, recording_router_metrics())
 
 
-def test_a_stream_still_without_output_at_the_drains_deadline_ends_as_moved(tiny_tokenizer):
-    """A stream that had no output by the drain's deadline (here: waiting for a slow prefill's
-    KV) was left to the engine's stop, which ended none of its streams: it waited for output
-    until the process was killed. It is aborted first now, and ends as "moved", resumed on the
-    other engine."""
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_call_still_running_at_its_replicas_drain_deadline_ends_as_a_move(tiny_tokenizer, role):
+    """The drain's deadline aborts what the replica still holds, and the router resumes the
+    request elsewhere as a move (no attempt spent, no error). Decode: a stream still without
+    output (waiting for a slow prefill's KV), which the engine's stop ended never (it waited for
+    output until the process was killed). Prefill: the prompt it still computes, which was a
+    failed call."""
 
     async def body(app: App) -> None:
         request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=20))
@@ -1322,8 +1324,8 @@ def test_a_stream_still_without_output_at_the_drains_deadline_ends_as_moved(tiny
         while not any(e.runner.held() for n, e in app.engines.items() if n.startswith("prefill")):
             assert time.monotonic() < deadline, "no prefill engine took the request"
             await asyncio.sleep(0.005)
-        (victim,) = [n for n, e in app.engines.items() if n.startswith("decode") and e.runner.held()]
-        app.engines[victim].drain_s = 0.2  # well before the prefill pushes (about 1 s)
+        (victim,) = [n for n, e in app.engines.items() if n.startswith(role) and e.runner.held()]
+        app.engines[victim].drain_s = 0.2  # well before the prefill ends (about 1 s)
         stopping = asyncio.ensure_future(app.engines[victim].__del__())
         status, data = await asyncio.wait_for(request, 30)
         assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 20)
@@ -1336,33 +1338,6 @@ def test_a_stream_still_without_output_at_the_drains_deadline_ends_as_moved(tiny
         router={"mode": "disaggregated", "max_attempts": 1, "local_prefill_max_tokens": 0},
         prefill={"num_replicas": 2},
         decode={"num_replicas": 2},
-        mock={"decode_step_s": 0.001, "prefill_s_per_token": 0.12},
-    )
-    run(body, slow_prefill, tiny_tokenizer, recording_router_metrics())
-
-
-def test_a_prefill_still_running_at_the_drains_deadline_is_a_move(tiny_tokenizer):
-    """A prefill engine's drain deadline aborts the prompt it still computes: the router
-    resumes the request elsewhere as a move (no attempt spent, no error), not as a failed call."""
-
-    async def body(app: App) -> None:
-        request = asyncio.ensure_future(completion(app, PROMPT, max_tokens=20))
-        deadline = time.monotonic() + 5
-        while not (holders := [n for n, e in app.engines.items() if n.startswith("prefill") and e.runner.held()]):
-            assert time.monotonic() < deadline, "no prefill engine took the request"
-            await asyncio.sleep(0.005)
-        (victim,) = holders
-        app.engines[victim].drain_s = 0.2  # well before its prefill ends (about 1 s)
-        stopping = asyncio.ensure_future(app.engines[victim].__del__())
-        status, data = await asyncio.wait_for(request, 30)
-        assert status == 200 and data["choices"][0]["token_ids"] == expected(PROMPT, 20)
-        metrics = app.service.metrics
-        assert metrics.migrations.values == {(("cause", "drain"), ("engine", victim)): 1} and not metrics.errors.values
-        await asyncio.wait_for(stopping, 5)
-
-    slow_prefill = args(
-        router={"mode": "disaggregated", "max_attempts": 1, "local_prefill_max_tokens": 0},
-        prefill={"num_replicas": 2},
         mock={"decode_step_s": 0.001, "prefill_s_per_token": 0.12},
     )
     run(body, slow_prefill, tiny_tokenizer, recording_router_metrics())
