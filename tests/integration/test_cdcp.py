@@ -10,16 +10,21 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 import requests
 
 from tests.support.cluster import (
+    KV_PORT_BLOCK,
+    LogWatch,
     busy_engine,
     completion_ids,
     deployed,
     engine_handles,
+    free_ports,
     inspect,
     metric_lines,
     post,
@@ -61,9 +66,35 @@ ARGS = {
 }
 
 
+@dataclass
+class HeldPort:
+    """A port this process listens on before the app starts: the one the config gives decode-0's
+    KV side channel (as a leftover process would hold it)."""
+
+    kv_port_base: int  # the app's
+    port: int
+    logs: LogWatch  # Ray's logs from before the app's start
+
+
 @pytest.fixture(scope="module")
-def app(cluster):
-    with deployed(cluster, "pd2x2", ARGS, FAULTS) as app:
+def held_kv_port(cluster) -> Iterator[HeldPort]:
+    import socket
+
+    from serve_app.config.backends import KV_PORT_STRIDE, kv_port_offset
+    from serve_app.config.settings import load_config
+
+    base = free_ports(KV_PORT_BLOCK, align=16)
+    port = base + KV_PORT_STRIDE * kv_port_offset(load_config(ARGS), "decode")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen(1)
+        yield HeldPort(kv_port_base=base, port=port, logs=LogWatch())
+
+
+@pytest.fixture(scope="module")
+def app(cluster, held_kv_port):
+    """The module's app; every test here runs with decode-0 on a KV port other than its config's."""
+    with deployed(cluster, "pd2x2", {**ARGS, "kv_port_base": held_kv_port.kv_port_base}, FAULTS) as app:
         yield app
 
 
@@ -433,6 +464,34 @@ def test_while_every_prefill_line_is_long_a_prompt_is_prefilled_by_its_decode_en
     attempt_id = response_id + "-1"
     assert any(p["transfers"][attempt_id] for p in inspect(app, "prefill", [attempt_id]).values())
     wait_for_metrics(cluster.metrics_port, [("ray_pd_fallback_total{", 'reason="prefill_queue"')])
+    wait_idle(app)
+
+
+def test_a_busy_kv_port_is_replaced_by_a_free_one(app, held_kv_port, baseline_app):
+    """Something (this test process, held_kv_port) holds the port the config gives decode-0's KV
+    side channel: the engine starts on a free port instead, says so naming the holder, posts its
+    real port with every KVReady, and prompts it decodes are prefilled elsewhere token-exact."""
+    held = held_kv_port
+    endpoint = app.snapshot()["engines"]["decode-0"]["kv_endpoint"]
+    assert endpoint["port"] != held.port and endpoint["host"] == "127.0.0.1"
+    text = held.logs.new_text()
+    assert f"KV port {held.port} on 127.0.0.1 is in use by pid {os.getpid()}" in text, text[-2000:]
+    # Prompts until decode-0 has decoded two (the balancer sends each where its prefix hashes).
+    on_decode_0 = 0
+    for i in range(16):
+        prompt = token_pattern(200, seed=901 + i)
+        response_id, tokens = completion_ids(app, prompt, max_tokens=8)
+        attempt = response_id + "-1"
+        decode_0 = inspect(app, "decode", [attempt])["decode-0"]
+        if decode_0["requests"][attempt] is None:
+            continue
+        transfer = decode_0["transfers"][attempt]  # the prompt's KV came through the replaced port
+        assert transfer is not None and transfer["outcome"] == "done" and transfer["layers_received"] == NUM_LAYERS, transfer
+        assert tokens == completion_ids(baseline_app, prompt, max_tokens=8)[1]
+        on_decode_0 += 1
+        if on_decode_0 == 2:
+            break
+    assert on_decode_0 == 2, "decode-0 got too few of 16 prompts"
     wait_idle(app)
 
 

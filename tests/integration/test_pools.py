@@ -192,44 +192,7 @@ def test_the_decode_pool_scales_with_its_load_and_a_stopped_replica_hands_its_st
         wait_idle(app)
 
 
-GRPC = {
-    "served_model_name": "tiny-llama",
-    "max_model_len": 2048,
-    "engine_kwargs": ENGINE_KWARGS,
-    "prefill": {"num_replicas": 1, "num_cpus": 0.2},
-    "decode": {"num_replicas": 2, "num_cpus": 0.2},
-    # By load, so both decode engines serve these few prompts (by prefix each goes where its
-    # hash says): what is checked here is that each call reaches the replica chosen.
-    "router": {"mode": "disaggregated", "num_cpus": 0.1, "engine_transport": "grpc", "balancer": "load", "timeouts": TIMEOUTS},
-}
-
-
-def test_over_serve_handles_each_call_reaches_the_replica_the_schedule_chose(cluster, baseline_app):
-    """engine_transport: grpc: the router's engine calls go through the pools' deployment handles,
-    pinned to the replica its balancer picked. Both decode engines serve; each attempt is on the
-    one engine the router's snapshot names; the output is token-exact."""
-    prompts = [token_pattern(64 + 37 * i, seed=700 + i) for i in range(6)]
-    want = [completion_ids(baseline_app, p, max_tokens=12)[1] for p in prompts]
-    with deployed(cluster, "pools-grpc", GRPC) as app:
-        with ThreadPoolExecutor(3) as pool:
-            got = list(pool.map(lambda p: completion_ids(app, p, max_tokens=12), prompts))
-        assert [tokens for _, tokens in got] == want
-        attempts = [response_id + "-1" for response_id, _ in got]
-        records = inspect(app, "decode", attempts)
-        served = {name: [a for a in attempts if record["requests"][a]] for name, record in records.items()}
-        assert set(served) == {"decode-0", "decode-1"} and all(served.values()), served
-        assert sorted(a for names in served.values() for a in names) == sorted(attempts)  # each on exactly one
-        for name, record in records.items():
-            assert record["replica"] == app.snapshot()["engines"][name]["replica"]  # the pinned call reached it
-        # The handle API too: engine calls made while the router serves a Serve request.
-        final = app.handle.complete.remote({"prompt": prompts[0], "max_tokens": 12, "temperature": 0, "return_token_ids": True})
-        assert final.result(timeout_s=120)["choices"][0]["token_ids"] == want[0]
-        wait_idle(app)
-
-
-LOADERS = 4
-REDEPLOY_TOKENS = 96
-REDEPLOYED = {
+ROLLED = {
     "served_model_name": "tiny-llama",
     "max_model_len": 2048,
     "engine_kwargs": ENGINE_KWARGS,
@@ -237,13 +200,52 @@ REDEPLOYED = {
     # prompts would wait for a prefill engine while the replacement starts.
     "prefill": {"num_replicas": 1, "num_cpus": 0.2, "max_surge_percent": 100},
     "decode": {"num_replicas": 2, "num_cpus": 0.2, "engine_kwargs": {"kv_cache_memory_bytes": 64 << 20}},
-    "router": {"mode": "disaggregated", "num_cpus": 0.1, "timeouts": TIMEOUTS},
+    # Engine calls over the pools' deployment handles until the redeploy test moves them to the
+    # engines' own endpoints (the default). By load, so both decode engines serve a few prompts
+    # (by prefix each goes where its hash says).
+    "router": {"mode": "disaggregated", "num_cpus": 0.1, "engine_transport": "grpc", "balancer": "load", "timeouts": TIMEOUTS},
 }
 
 
-def test_a_redeploy_with_a_changed_decode_engine_argument_under_load_loses_no_request(cluster, baseline_app):
+@pytest.fixture(scope="module")
+def rolled_app(cluster):
+    """One app for the last two tests (an engine app's start is most of a minute on 2 cores): the
+    handle transport's test first, then the redeploy's, which replaces every replica."""
+    with deployed(cluster, "pools-rolled", ROLLED) as app:
+        yield app
+
+
+def test_over_serve_handles_each_call_reaches_the_replica_the_schedule_chose(rolled_app, baseline_app):
+    """engine_transport: grpc: the router's engine calls go through the pools' deployment handles,
+    pinned to the replica its balancer picked. Both decode engines serve; each attempt is on the
+    one engine the router's snapshot names; the output is token-exact."""
+    prompts = [token_pattern(64 + 37 * i, seed=700 + i) for i in range(6)]
+    want = [completion_ids(baseline_app, p, max_tokens=12)[1] for p in prompts]
+    app = rolled_app
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda p: completion_ids(app, p, max_tokens=12), prompts))
+    assert [tokens for _, tokens in got] == want
+    attempts = [response_id + "-1" for response_id, _ in got]
+    records = inspect(app, "decode", attempts)
+    served = {name: [a for a in attempts if record["requests"][a]] for name, record in records.items()}
+    assert set(served) == {"decode-0", "decode-1"} and all(served.values()), served
+    assert sorted(a for names in served.values() for a in names) == sorted(attempts)  # each on exactly one
+    for name, record in records.items():
+        assert record["replica"] == app.snapshot()["engines"][name]["replica"]  # the pinned call reached it
+    # The handle API too: engine calls made while the router serves a Serve request.
+    final = app.handle.complete.remote({"prompt": prompts[0], "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+    assert final.result(timeout_s=120)["choices"][0]["token_ids"] == want[0]
+    wait_idle(app)
+
+
+LOADERS = 4
+REDEPLOY_TOKENS = 96
+
+
+def test_a_redeploy_with_a_changed_decode_engine_argument_under_load_loses_no_request(rolled_app, baseline_app):
     """A user changes a decode engine argument (its KV cache size, which changes no output) and
-    redeploys the app as `serve deploy` does, while clients stream greedy completions. Serve
+    the router's engine transport (Serve's handles to the engines' own endpoints), and redeploys
+    the app as `serve deploy` does, while clients stream greedy completions. Serve
     replaces every replica of the app (it versions them all by the app's args): the decode
     engines one at a time, their streams moving to the other engine; the router replicas, whose
     replacements listen on the port before the old ones stop and finish their responses. Every
@@ -256,61 +258,62 @@ def test_a_redeploy_with_a_changed_decode_engine_argument_under_load_loses_no_re
 
     prompts = [token_pattern(40 + 8 * i, seed=1300 + i) for i in range(8)]
     want = [completion_ids(baseline_app, p, max_tokens=REDEPLOY_TOKENS)[1] for p in prompts]
-    with deployed(cluster, "pools-redeploy", REDEPLOYED) as app:
-        old_decode = {e["replica"] for e in decode_members(app).values()}
-        old_router = app.snapshot()["router"]["replica"]
-        assert len(old_decode) == 2
-        stop = threading.Event()
-        results: list[tuple[int, set[str] | None, list[int] | None, str | None, str | None]] = []
+    app = rolled_app
+    old_decode = {e["replica"] for e in decode_members(app).values()}
+    old_router = app.snapshot()["router"]["replica"]
+    assert len(old_decode) == 2
+    stop = threading.Event()
+    results: list[tuple[int, set[str] | None, list[int] | None, str | None, str | None]] = []
 
-        def load(i: int) -> None:
-            n = 0
-            while not stop.is_set():
-                k = (i + n * LOADERS) % len(prompts)
-                try:
-                    ids, tokens, finish = stream_tokens(app, prompts[k], REDEPLOY_TOKENS)
-                    results.append((k, ids, tokens, finish, None))
-                except Exception as exc:  # the client's view: any failure is an error here
-                    results.append((k, None, None, None, repr(exc)))
-                n += 1
-
-        watch = LogWatch()
-        with ThreadPoolExecutor(LOADERS) as pool:
-            loaders = [pool.submit(load, i) for i in range(LOADERS)]
+    def load(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            k = (i + n * LOADERS) % len(prompts)
             try:
-                wait_for("the load is under way", lambda: len(results) >= LOADERS, timeout_s=120, interval_s=0.1)
-                changed = copy.deepcopy(app.args)
-                changed["decode"]["engine_kwargs"] = {"kv_cache_memory_bytes": 48 << 20}
-                before = len(results)
-                serve.run(build_app_with(changed, Plugins()), name=app.name, route_prefix=app.route_prefix)
+                ids, tokens, finish = stream_tokens(app, prompts[k], REDEPLOY_TOKENS)
+                results.append((k, ids, tokens, finish, None))
+            except Exception as exc:  # the client's view: any failure is an error here
+                results.append((k, None, None, None, repr(exc)))
+            n += 1
 
-                def replaced() -> bool:
-                    members = decode_members(app)
-                    ids = {e["replica"] for e in members.values()}
-                    return len(ids) == 2 and not ids & old_decode and all(e["healthy"] for e in members.values())
+    watch = LogWatch()
+    with ThreadPoolExecutor(LOADERS) as pool:
+        loaders = [pool.submit(load, i) for i in range(LOADERS)]
+        try:
+            wait_for("the load is under way", lambda: len(results) >= LOADERS, timeout_s=120, interval_s=0.1)
+            changed = copy.deepcopy(app.args)
+            changed["decode"]["engine_kwargs"] = {"kv_cache_memory_bytes": 48 << 20}
+            changed["router"]["engine_transport"] = "http"
+            before = len(results)
+            serve.run(build_app_with(changed, Plugins()), name=app.name, route_prefix=app.route_prefix)
 
-                wait_for("the router uses two new decode replicas", replaced, timeout_s=120, interval_s=0.5)
-                assert serve.status().applications[app.name].status == "RUNNING"
-                during = len(results) - before
-                after = len(results)
-                wait_for("more requests after the redeploy", lambda: len(results) >= after + 2 * LOADERS, timeout_s=300, interval_s=0.2)
-            finally:
-                stop.set()
-            for loader in loaders:
-                loader.result()
-        new_router = app.snapshot()["router"]["replica"]
-        logs = watch.new_text()
-        rollout = [line for line in watch.new_text("serve").splitlines() if "Adding" in line or "Stopping" in line]
-        print(f"{len(results)} requests, {during} answered while the redeploy ran; router {old_router} -> {new_router}")
-        print(f"streams moved off a stopping decode engine: {logs.count('moves off')}")
-        print("\n".join(rollout))
+            def replaced() -> bool:
+                members = decode_members(app)
+                ids = {e["replica"] for e in members.values()}
+                return len(ids) == 2 and not ids & old_decode and all(e["healthy"] for e in members.values())
 
-        errors = [error for *_, error in results if error is not None]
-        assert not errors, errors
-        # The two hand-overs the test is about really happened under the load.
-        assert new_router != old_router and during > 0, (old_router, new_router, during)
-        assert logs.count("moves off") >= 1, "no stream was on a stopping decode engine"
-        for k, ids, tokens, finish, _ in results:
-            assert ids is not None and len(ids) == 1 and finish == "length", (k, ids, finish)
-            assert tokens == want[k], k
-        wait_idle(app)
+            wait_for("the router uses two new decode replicas", replaced, timeout_s=120, interval_s=0.5)
+            assert serve.status().applications[app.name].status == "RUNNING"
+            during = len(results) - before
+            after = len(results)
+            wait_for("more requests after the redeploy", lambda: len(results) >= after + 2 * LOADERS, timeout_s=300, interval_s=0.2)
+        finally:
+            stop.set()
+        for loader in loaders:
+            loader.result()
+    new_router = app.snapshot()["router"]["replica"]
+    logs = watch.new_text()
+    rollout = [line for line in watch.new_text("serve").splitlines() if "Adding" in line or "Stopping" in line]
+    print(f"{len(results)} requests, {during} answered while the redeploy ran; router {old_router} -> {new_router}")
+    print(f"streams moved off a stopping decode engine: {logs.count('moves off')}")
+    print("\n".join(rollout))
+
+    errors = [error for *_, error in results if error is not None]
+    assert not errors, errors
+    # The two hand-overs the test is about really happened under the load.
+    assert new_router != old_router and during > 0, (old_router, new_router, during)
+    assert logs.count("moves off") >= 1, "no stream was on a stopping decode engine"
+    for k, ids, tokens, finish, _ in results:
+        assert ids is not None and len(ids) == 1 and finish == "length", (k, ids, finish)
+        assert tokens == want[k], k
+    wait_idle(app)

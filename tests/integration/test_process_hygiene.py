@@ -8,8 +8,6 @@ without touching anything outside. The namespaces and everything in them end wit
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.support import namespaces
@@ -70,39 +68,3 @@ def test_ray_stop_force_leaves_no_engine_and_the_next_start_is_healthy():
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert "[hygiene] OK" in result.stdout
 
-
-def test_a_busy_kv_port_is_replaced_by_a_free_one(cluster):
-    """Something (here: this test) holds the port the config gives decode-0's KV side channel:
-    the engine starts on a free port instead, says so naming the holder, posts its real port
-    with every KVReady, and disaggregated requests work."""
-    import socket
-
-    from serve_app.config.backends import KV_PORT_STRIDE, kv_port_offset
-    from serve_app.config.settings import load_config
-    from tests.support.cluster import LogWatch, completion_ids, deployed, token_pattern, wait_idle
-
-    holder = socket.socket()
-    holder.bind(("127.0.0.1", 0))
-    holder.listen(1)
-    busy = holder.getsockname()[1]
-    logs = LogWatch()
-    args = {
-        "served_model_name": "tiny-llama",
-        "prefill": {"num_replicas": 1, "num_cpus": 0.1},
-        "decode": {"num_replicas": 1, "num_cpus": 0.1},
-        "router": {"mode": "disaggregated", "num_cpus": 0.05},
-    }
-    # decode-0 gets the busy port (its block comes after room for the prefill pool and a rolling
-    # update's replacements), prefill-0 below it.
-    args["kv_port_base"] = busy - KV_PORT_STRIDE * kv_port_offset(load_config(args), "decode")
-    try:
-        with deployed(cluster, "busyport", args) as app:
-            endpoint = app.snapshot()["engines"]["decode-0"]["kv_endpoint"]
-            assert endpoint["port"] != busy and endpoint["host"] == "127.0.0.1"
-            _, tokens = completion_ids(app, token_pattern(200, seed=901), max_tokens=8)
-            assert len(tokens) == 8
-            wait_idle(app)
-            text = logs.new_text()
-            assert f"KV port {busy} on 127.0.0.1 is in use by pid {os.getpid()}" in text, text[-2000:]
-    finally:
-        holder.close()
