@@ -20,7 +20,7 @@ ip link set lo up
 cd "$REPO"
 export RAY_TMPDIR="$WORK" RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
 
-say() { echo "[hygiene] $*"; }
+say() { echo "[hygiene] $* (${SECONDS} s)"; }
 engines() { ps -eo stat=,args= | awk '$1 !~ /^Z/ && $2 ~ /^VLLM::/' ; }
 healthy() {
   for _ in $(seq 1 180); do
@@ -39,7 +39,9 @@ curl -sf -m 60 localhost:8000/v1/completions -H 'content-type: application/json'
 [ -n "$(engines)" ] || fail "no VLLM engine process found while the app runs"
 say "app healthy with $(engines | wc -l) engine processes; ray stop --force"
 
-.venv/bin/ray stop --force >"$WORK/stop.log" 2>&1
+# With --force, the grace period only bounds ray stop's wait for what it killed, which stays a
+# zombie until its parent (`serve run`, killed next) goes: 16 s of waiting by default.
+.venv/bin/ray stop --force --grace-period 1 >"$WORK/stop.log" 2>&1
 kill -9 "$first" 2>/dev/null
 for i in $(seq 1 30); do
   [ -z "$(engines)" ] && break
