@@ -622,7 +622,7 @@ def validated(model: Any, body: dict[str, Any]) -> Any:
         # A model validator's error has no field location; vLLM's own validation error names
         # the parameter (on vLLM 0.23 it is a ValueError, so pydantic wraps it and keeps it here).
         cause = (first.get("ctx") or {}).get("error")
-        param = ".".join(str(p) for p in first.get("loc", ())) or (_param_of(cause, model) if cause is not None else None)
+        param = _field_path(first.get("loc", ())) or (_param_of(cause, model) if cause is not None else None)
         message = "; ".join(_describe(err) for err in errors[:5]) or str(exc)
         raise bad_request(message, param=param) from None
     except _client_errors() as exc:
@@ -630,7 +630,44 @@ def validated(model: Any, body: dict[str, Any]) -> Any:
     except (TypeError, AttributeError, KeyError, IndexError) as exc:
         # vLLM's "before" validators read the raw body assuming the right shapes (a list where
         # they expect a dict fails on .get): a body of the wrong shape, so the client's 400.
+        misshapen = _misshapen_field(model, body)
+        if misshapen is not None:
+            raise bad_request(f"{misshapen[0]}: {misshapen[1]}", param=misshapen[0]) from None
         raise bad_request(f"Invalid request: {type(exc).__name__}: {exc}") from None
+
+
+def _misshapen_field(model: Any, body: dict[str, Any]) -> tuple[str, str] | None:
+    """(name, pydantic's complaint) of the first field in ``body`` its declared type refuses:
+    vLLM's "before" validators read fields before pydantic checks their types, so a field of the
+    wrong shape fails there, in a message naming no field."""
+    from pydantic import ValidationError
+
+    for name, value in body.items():
+        adapter = _field_adapter(model, name)
+        if adapter is None:
+            continue
+        try:
+            adapter.validate_python(value)
+        except ValidationError as exc:
+            errors = exc.errors()
+            return name, (errors[0].get("msg", "invalid value") if errors else "invalid value")
+        except Exception:  # a validator of the field's own that needs the whole body: not this one
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _field_adapter(model: Any, name: str) -> Any:
+    """A validator for one of ``model``'s fields alone (built once: a bad body costs no rebuild)."""
+    from pydantic import TypeAdapter
+
+    field = getattr(model, "model_fields", {}).get(name)
+    if field is None:
+        return None
+    try:
+        return TypeAdapter(field.annotation)
+    except Exception:  # an annotation pydantic cannot build alone (a forward reference)
+        return None
 
 
 def _installed_vllm_clamps() -> bool:
@@ -664,8 +701,17 @@ def _client_errors() -> tuple[type[BaseException], ...]:
     return CLIENT_ERRORS
 
 
+def _field_path(loc: Any) -> str:
+    """A pydantic error's location as the client's field path: without the steps pydantic names
+    after its own validators ("function-wrap[...]", "list[...]"), which are no field of the body."""
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and _VALIDATOR_STEP.match(p)))
+
+
+_VALIDATOR_STEP = re.compile(r"[a-z][a-z-]*\[.*\]\Z", re.S)
+
+
 def _describe(err: dict[str, Any]) -> str:
-    where = ".".join(str(p) for p in err.get("loc", ()))
+    where = _field_path(err.get("loc", ()))
     msg = err.get("msg", "invalid value")
     return f"{where}: {msg}" if where else msg
 

@@ -63,7 +63,10 @@ HOSTILE = {
     "surrogate stop": ({"stop": ["\ud800"]}, "stop.0"),
     "ec_transfer_params": ({"ec_transfer_params": {"x": 1}}, "ec_transfer_params"),
     "vllm_xargs ec_transfer_params": ({"vllm_xargs": {"ec_transfer_params": "x"}}, "vllm_xargs.ec_transfer_params"),
-    "structured_outputs of the wrong shape": ({"structured_outputs": []}, None),  # found by the fast fuzzer
+    # Fields of the wrong shape that vLLM's validators read before their types are checked.
+    "structured_outputs of the wrong shape": ({"structured_outputs": []}, "structured_outputs"),  # found by the fast fuzzer
+    "response_format of the wrong shape": ({"response_format": "json"}, "response_format"),
+    "prompt_logprobs of the wrong type": ({"prompt_logprobs": "all"}, "prompt_logprobs"),
     # A schema as a string escapes the body's nesting bound; converting it costs steeply more with
     # depth (vLLM 0.23, on Ascend, does not bound it).
     "structured_outputs.json nested in a string": (
