@@ -77,7 +77,7 @@ class ResponseFramer:
             # token sends none, so the client gets a plain error response instead.
             if visible and not self._role_sent:
                 self._role_sent = True
-                out.append(self._chat_chunk({"role": "assistant", "content": ""}, None, None, None))
+                out.append(self._chat_chunk({"role": self.request.reply_role, "content": ""}, None, None, None))
                 if self.request.echo:  # the last message, as its own chunk (as vLLM's server)
                     out.append(self._chat_chunk({"content": self.request.echo}, None, None, None))
                 self.opening_chunks = len(out)
@@ -237,7 +237,7 @@ class ResponseFramer:
         chunk = CompletionStreamResponse(
             id=self.request.response_id, created=self.request.created, model=self.request.model, choices=[choice]
         )
-        return _dump(chunk, keep_choice_keys=("finish_reason",))
+        return _dump(chunk, keep_choice_keys=STREAMED_COMPLETION_KEYS)
 
     def _chat_chunk(
         self,
@@ -271,7 +271,7 @@ class ResponseFramer:
             prompt_token_ids=prompt_ids,
             prompt_text=prompt_text,
         )
-        return _dump(chunk, keep_choice_keys=("finish_reason",))
+        return _dump(chunk, keep_choice_keys=STREAMED_CHAT_KEYS if finish_reason is None else STREAMED_CHAT_KEYS + ("stop_reason",))
 
     # ------------------------------------------------------------------ final response
     def final(
@@ -358,19 +358,19 @@ class ResponseFramer:
             fields = self._parsed_reply(choice.new_parser, choice.request, text, token_ids, auto=True)
             if fields.get("tool_calls"):
                 fields["tool_calls"] = choice.first_call_only(fields["tool_calls"])
-            return ChatMessage(role="assistant", **self._shown(fields))
+            return ChatMessage(role=self.request.reply_role, **self._shown(fields))
         fields = {"content": text}
         if self.request.reasoning is not None:  # what follows the thinking (None: it never ended)
             split = self.request.reasoning
             fields = self._shown(self._parsed_reply(split.new_parser, split.request, text, token_ids, auto=False))
         if choice is None:
-            return ChatMessage(role="assistant", **fields)
+            return ChatMessage(role=self.request.reply_role, **fields)
         text = fields.pop("content", None) or ""
         if isinstance(choice, ForcedCall):  # no output, no call (as vLLM's server)
             call = {"id": choice.call_id, "type": "function", "function": {"name": choice.name, "arguments": text}}
-            return ChatMessage(role="assistant", **fields, content="", tool_calls=[call] if text.strip() else [])
+            return ChatMessage(role=self.request.reply_role, **fields, content="", tool_calls=[call] if text.strip() else [])
         calls = [{k: v for k, v in call.items() if k != "index"} for call in required_tool_calls(text)]
-        return ChatMessage(role="assistant", **fields, content="", tool_calls=calls)
+        return ChatMessage(role=self.request.reply_role, **fields, content="", tool_calls=calls)
 
     def _parsed_reply(self, new_parser: Callable[[], Any], request: Any, text: str, token_ids: list[int], auto: bool) -> dict[str, Any]:
         """The whole text through vLLM's parser: the reasoning, the content around the calls, and
@@ -559,6 +559,12 @@ def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | No
         total_tokens=prompt_tokens + completion_tokens,
         **details,
     )
+
+
+# The choice keys a stream chunk has even where null, as in vLLM's server's (which sets them
+# explicitly, and OpenAI's: a client may read choice["logprobs"]); stop_reason on a chat's last chunk.
+STREAMED_COMPLETION_KEYS = ("finish_reason", "logprobs", "stop_reason")
+STREAMED_CHAT_KEYS = ("finish_reason", "logprobs")
 
 
 def _dump(model: Any, keep_choice_keys: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -199,6 +199,9 @@ class ParsedRequest:
     # A chat request's ``return_prompt_text``: the conversation as the template rendered it, which
     # the reply carries (each choice's first chunk of a stream); None where not asked for.
     prompt_text: str | None = None
+    # A chat reply's role: the last message's where the prompt ends without the generation prompt
+    # (add_generation_prompt: false, the model continuing that message), as vLLM's server.
+    reply_role: str = "assistant"
     # vLLM's ``prompt_logprobs`` field of the reply (each prompt token's logprob, rank and text,
     # with the top k): k, or None where the reply has no such field.
     prompt_logprobs: int | None = None
@@ -418,6 +421,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
         echo=echoes[0],
         echo_only=echo_only,
         prompt_text=prompt_text,
+        reply_role=_reply_role(request) if route == "chat" else "assistant",
         prompt_logprobs=shown,
         prompt_logprob_entries=logprob_entries(samples[0][0]),
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
@@ -922,11 +926,19 @@ def _echoes(route: Route, request: Any, prompts: list[list[int]], ctx: ModelCont
     if route == "chat":
         last = request.messages[-1]
         field_of = last.get if isinstance(last, dict) else lambda name: getattr(last, name, None)
-        role = "assistant" if request.add_generation_prompt else field_of("role")
-        return [_text_content(field_of("content"), len(request.messages) - 1) if field_of("role") == role else ""]
+        return [_text_content(field_of("content"), len(request.messages) - 1) if field_of("role") == _reply_role(request) else ""]
     if request.return_token_ids:  # the prompt's token ids carry it
         return [""] * len(prompts)
     return [raw if isinstance(raw, str) else ctx.tokenizer.decode(ids) for raw, ids in zip(_raw_prompts(request), prompts, strict=True)]
+
+
+def _reply_role(request: Any) -> str:
+    """The role of a chat reply (vLLM's server's ``get_chat_request_role``)."""
+    if request.add_generation_prompt or not request.messages:
+        return "assistant"
+    last = request.messages[-1]
+    role = last.get("role") if isinstance(last, dict) else getattr(last, "role", None)
+    return str(role) if role else "assistant"
 
 
 def _truncated(ids: list[int], *, keep: int, side: str | None, max_tokens: int | None, param: str, ctx: ModelContext) -> list[int]:

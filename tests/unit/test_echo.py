@@ -129,6 +129,34 @@ def test_a_chat_echo_puts_the_last_message_before_the_reply_where_its_role_is_th
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_reply_without_the_generation_prompt_bears_the_last_messages_role(tiny_tokenizer, stream):
+    """add_generation_prompt: false: the model goes on with the last message, and the reply has
+    its role (vLLM's server's get_chat_request_role), with echo that message's text first."""
+
+    async def body(app: App) -> None:
+        for echo in (False, True):
+            request = {
+                "messages": [{"role": "user", "content": "Describe the river"}],
+                "add_generation_prompt": False,
+                "max_tokens": 4,
+                "echo": echo,
+                "stream": stream,
+            }
+            status, data = await body_of(await app.service.http("chat", json.dumps(request).encode()))
+            assert status == 200, data
+            if stream:
+                chunks = [e["choices"][0] for e in data if isinstance(e, dict) and e["choices"]]
+                assert chunks[0]["delta"]["role"] == "user" and all("role" not in c["delta"] for c in chunks[1:])
+                content = "".join(c["delta"].get("content") or "" for c in chunks)
+            else:
+                assert data["choices"][0]["message"]["role"] == "user"
+                content = data["choices"][0]["message"]["content"]
+            assert content.startswith("Describe the river") == echo, content
+
+    run(body, args(), tiny_tokenizer)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_an_echo_with_no_output_is_the_prompt_alone(tiny_tokenizer, stream):
     """max_tokens 0 with echo (what scoring clients send): the prompt and its logprobs alone. As
     vLLM's server: the engine makes one token, left out of the text and logprobs, counted in usage."""

@@ -68,6 +68,23 @@ def test_a_completion_through_every_hop(tiny_tokenizer, transport, mode):
     run(body, args(router={"mode": mode, "engine_transport": transport}), tiny_tokenizer)
 
 
+def test_stream_chunks_have_the_keys_vllms_server_sets_even_where_null(tiny_tokenizer):
+    """logprobs on every chunk's choice (OpenAI's too), stop_reason on every completion chunk and
+    on a chat's last: a client reading choice["logprobs"] gets null, not a KeyError."""
+
+    async def body(app: App) -> None:
+        _, events = await completion(app, PROMPT, max_tokens=3, stream=True)
+        choices = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
+        assert choices and all({"logprobs", "finish_reason", "stop_reason"} <= c.keys() for c in choices), choices
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+        _, events = await body_of(await app.service.http("chat", json.dumps(chat).encode()))
+        choices = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
+        assert all({"logprobs", "finish_reason"} <= c.keys() for c in choices), choices
+        assert "stop_reason" in choices[-1] and choices[-1]["finish_reason"] == "length", choices[-1]
+
+    run(body, args(), tiny_tokenizer)
+
+
 def test_a_short_prompt_is_prefilled_by_its_decode_engine(tiny_tokenizer):
     """router.local_prefill_max_tokens: an attempt's prompt up to that long skips the prefill
     engine (counted as pd_fallback_total{reason=local_prefill}); a longer one does not; the output
