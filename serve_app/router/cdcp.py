@@ -364,7 +364,7 @@ class AttemptRun:
                     return
                 if self._wake in done:
                     self._wake = None  # woken by the prefill engine leaving: a fresh one for the next wait
-                if self.prefill_task is not None and self.prefill_task in done:
+                if self.prefill_task is not None and self.prefill_task in done and not self._token_first(done):
                     event = self._prefill_outcome()
                     yield event
                     if isinstance(event, AttemptFailed):
@@ -440,6 +440,15 @@ class AttemptRun:
             return request_timed_out()
         engine = self.prefill if prefill_running(self.phase) else self.decode
         return AttemptFailed(f"timed out waiting for {WAITING_FOR[self.phase]}", True, engine, 504, "timeout")
+
+    def _token_first(self, done: set[asyncio.Future]) -> bool:
+        """Whether the stream's item, ready in the same turn as a prefill call that failed, is read
+        first: a token says the push went through, and the failure is then one of a call let go
+        (read in the next turn), not the attempt's end."""
+        item, task = self.next_item, self.prefill_task
+        if item not in done or task is None or task.cancelled() or task.exception() is None:
+            return False
+        return not item.cancelled() and item.exception() is None
 
     def _prefill_outcome(self) -> AttemptEvent:
         task, self.prefill_task = self.prefill_task, None

@@ -465,12 +465,17 @@ def one_decode_one_prefill(prefill_s: float) -> tuple[Any, SimpleNamespace]:
     return pool, executor
 
 
-@pytest.mark.parametrize("how", ["outlives prefill_s", "engine leaves", "call fails"])
+FAILS = ("call fails", "fails as the first token comes")
+
+
+@pytest.mark.parametrize("how", ["outlives prefill_s", "engine leaves", *FAILS])
 def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_go_on(how):
     """Tokens from the decode engine mean the prompt's KV is whole there: a prefill call that then
     outlives its deadline, whose engine starts leaving, or that fails (only its acknowledgements
-    were left) is let go (cancelled, its lease released) and the stream decodes on, instead of
-    the attempt ending with a healthy stream's KV thrown away."""
+    were left; also when its failure and the first token come in one turn of the loop) is let go
+    (cancelled, its lease released) and the stream decodes on, instead of the attempt ending with
+    a healthy stream's KV thrown away."""
+    gate = asyncio.Event()  # "fails as the first token comes": opens both at once
     from serve_app.router.cdcp import AttemptFailed, AttemptRun, DeltaEvent
     from serve_app.router.recompute import AttemptPlan
     from serve_app.wire.protocol import TokenDelta
@@ -482,8 +487,8 @@ def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_
             return self._answer().__await__()
 
         async def _answer(self):
-            if how == "call fails":
-                await asyncio.sleep(0.2)
+            if how in FAILS:
+                await (gate.wait() if how == FAILS[1] else asyncio.sleep(0.2))
                 raise ConnectionError("the prefill engine went away")
             await asyncio.Event().wait()  # never answers
 
@@ -499,7 +504,9 @@ def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_
 
         async def __anext__(self):
             item = self.items.pop(0)
-            if not isinstance(item, KVReady):
+            if how == FAILS[1] and isinstance(item, TokenDelta) and item.token_ids == [0]:
+                await gate.wait()
+            elif not isinstance(item, KVReady):
                 await asyncio.sleep(0.02)
             if how == "engine leaves" and isinstance(item, TokenDelta) and item.token_ids == [3]:  # tokens flow: its engine leaves
                 asyncio.get_running_loop().call_soon(self.pool.drain, "prefill-0")
@@ -512,6 +519,7 @@ def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_
         pool, executor = one_decode_one_prefill(prefill_s=0.3)
         call, stream = Call(), Stream()
         stream.pool = pool
+        asyncio.get_running_loop().call_later(0.1, gate.set)
         attempt = AttemptRun(executor, AttemptPlan("r-1", 1, PROMPT, 30, True), "decode-0", stream, request_deadline=time.monotonic() + 60)
         tokens, failed, at_the_end = [], [], None
         with mock.patch.object(pool, "start_prefill", return_value=call):
@@ -528,7 +536,7 @@ def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_
             finally:
                 await attempt.close()
         assert tokens == list(range(30)) and not failed and attempt.phase.value == "decoding", (tokens, failed)
-        assert at_the_end == (how != "call fails", True)
+        assert at_the_end == (how not in FAILS, True)
 
     asyncio.run(main())
 
