@@ -578,7 +578,14 @@ def _adjust_for_parser(new_parser: Callable[[], Any], request: Any) -> Any:
     be special tokens), and vLLM 0.32's tool parsers for formats xgrammar knows hold a call's
     arguments to the tool's schema once the model opens one (a structural tag, which the
     router's grammar bounds then check like a client's)."""
-    parser = new_parser()  # (a parser that cannot be built is the server's error, not the client's)
+    try:
+        parser = new_parser()
+    except (*_client_errors(), ValueError) as exc:
+        # Built with the client's template variables, which a parser may refuse (a reasoning
+        # effort it does not know): the client's 400, as vLLM's server answers its ValueError.
+        # Anything else a parser raises is the server's error.
+        param = "reasoning_effort" if declared(request, "reasoning_effort") is not None else "chat_template_kwargs"
+        raise bad_request(f"Invalid request for this model's reply parser: {exc}", param=param) from None
     try:
         parser.adjust_request(request)
     except (*_client_errors(), ValueError, TypeError, KeyError) as exc:

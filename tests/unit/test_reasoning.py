@@ -336,3 +336,27 @@ def test_template_variables_the_engine_could_not_be_sent_are_a_400(ctx):
             parse_request("chat", {"messages": MESSAGES, "chat_template_kwargs": kwargs}, ctx)
         assert err.value.status == 400 and err.value.param == "chat_template_kwargs" and message in str(err.value)
     assert parse_request("chat", {"messages": MESSAGES, "chat_template_kwargs": {"x": [[2**40]]}}, ctx)
+
+
+def test_template_variables_the_models_parser_refuses_are_a_400(ctx):
+    """The reply parser is built with the client's template variables (``reasoning_effort``
+    among them), which a parser may refuse with a ValueError: a 400 naming the field, as vLLM's
+    server answers, not a 500."""
+    from serve_app.router.errors import OpenAIError
+
+    class Picky(ctx.reasoning_parser):
+        def __init__(self, *args, **kwargs):
+            if (kwargs.get("chat_template_kwargs") or {}).get("reasoning_effort") == "high":
+                raise ValueError("Unsupported reasoning_effort 'high'")
+            super().__init__(*args, **kwargs)
+
+    picky = dataclasses.replace(ctx, reasoning_parser=Picky)
+    refused = (
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"chat_template_kwargs": {"reasoning_effort": "high"}}, "chat_template_kwargs"),
+    )
+    for body, param in refused:
+        with pytest.raises(OpenAIError) as err:
+            parse_request("chat", {"messages": MESSAGES, **body}, picky)
+        assert err.value.status == 400 and err.value.param == param and "Unsupported reasoning_effort" in str(err.value)
+    assert parse_request("chat", {"messages": MESSAGES, "reasoning_effort": "low"}, picky).reasoning is not None
