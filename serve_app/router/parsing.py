@@ -1171,6 +1171,11 @@ def _check_text_length(text: str, param: str, ctx: ModelContext) -> None:
         )
 
 
+# The content parts vLLM's server reads as text (an OpenAI assistant turn sent back may hold a
+# refusal part), and the key that holds each one's text.
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
 def _text_content(content: Any, i: int) -> str:
     if content is None:
         return ""
@@ -1185,12 +1190,14 @@ def _text_content(content: Any, i: int) -> str:
         texts = []
         for part in content:
             part_type = part.get("type") if isinstance(part, dict) else None
-            if part_type != "text":
+            key = _TEXT_PARTS.get(part_type) if isinstance(part_type, str) else None
+            if key is None:
                 raise bad_request(
                     f"messages[{i}]: content parts of type '{part_type}' are not supported (text only)",
                     param=f"messages.{i}.content",
                 )
-            texts.append(str(part.get("text", "")))
+            if part.get(key) is not None:  # (vLLM's server skips a part without its text)
+                texts.append(str(part[key]))
         return "\n".join(texts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", param=f"messages.{i}.content")
 

@@ -37,6 +37,15 @@ def test_chat_template_applied_once_without_a_second_bos(ctx, tiny_tokenizer):
     assert tiny_tokenizer.decode(parsed.prompt_token_ids) == "<s><|user|>\nHi<|end|>\n<|assistant|>\n"
 
 
+def test_text_like_content_parts_are_read_as_text_as_vllms_server_reads_them(ctx, tiny_tokenizer):
+    """An OpenAI assistant turn sent back may hold a refusal part: vLLM's server renders it (and
+    its other text-like parts) as text, one part a line; so does the router."""
+    turn = [{"type": "refusal", "refusal": "I can't"}, {"type": "text", "text": "but"}]
+    body = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": turn}, {"role": "user", "content": "ok"}]}
+    text = tiny_tokenizer.decode(parse_request("chat", body, ctx).prompt_token_ids)
+    assert "<|assistant|>\nI can't\nbut<|end|>" in text, text
+
+
 def test_stop_strings_move_to_the_router_and_engines_skip_detokenizing(ctx):
     parsed = parse_request("completions", {"prompt": "x", "stop": ["a", "bc"], "max_tokens": 4, "temperature": 0}, ctx)
     assert parsed.stops == ["a", "bc"]
