@@ -462,6 +462,11 @@ class AttemptRun:
             if self.phase is AttemptPhase.PREFILL_ENDING:
                 self.prefill_task = task
                 return self._let_prefill_go(f"failed ({type(exc).__name__})")
+            if self.prefill_grace_end is not None:
+                # Its engine is leaving (Serve stops it) and the call broke within the grace: a
+                # move, as a decode stream that breaks while its engine leaves, not an attempt
+                # counted against max_attempts.
+                return self._prefill_moved()
             reason, detail = failure_of("prefill", exc)
             return AttemptFailed(reason, True, self.prefill, 502, "prefill", detail)
         if task.result().finish_reason == MOVED_STOP:

@@ -541,16 +541,23 @@ def test_a_prefill_call_that_ends_badly_once_tokens_flow_lets_the_decode_stream_
     asyncio.run(main())
 
 
-@pytest.mark.parametrize(("grace_s", "kind"), [(0.05, "moved"), (5.0, "timeout")])
-def test_a_prefill_engine_that_leaves_during_its_call_is_a_move_only_if_its_grace_ends_first(grace_s, kind):
+@pytest.mark.parametrize(("grace_s", "breaks", "kind"), [(0.05, False, "moved"), (5.0, False, "timeout"), (5.0, True, "moved")])
+def test_a_prefill_engine_that_leaves_during_its_call_is_a_move_only_if_its_grace_ends_first(grace_s, breaks, kind):
     """A leaving prefill engine's call gets a grace; if ``prefill_s`` runs out first, the attempt
-    timed out (counted against max_attempts), it was not moved."""
+    timed out (counted against max_attempts), it was not moved. A call that breaks within the
+    grace (its replica stopped) is a move, as a decode stream that breaks while its engine leaves."""
     from serve_app.router.cdcp import AttemptFailed, AttemptRun
     from serve_app.router.recompute import AttemptPlan
 
     class Call:
         def __await__(self):
-            return asyncio.Event().wait().__await__()  # never answers
+            return self._answer().__await__()
+
+        async def _answer(self) -> None:
+            if breaks:
+                await asyncio.sleep(0.05)
+                raise ConnectionError("the prefill replica was stopped")
+            await asyncio.Event().wait()  # never answers
 
         def cancel(self) -> None:
             pass
