@@ -150,7 +150,7 @@ def multi_turn(port: int, quick: bool, seed: int = 0) -> dict[str, Any]:
             done = 0
             try:
                 done = await turns_of(session, index)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            except (TimeoutError, aiohttp.ClientError, ValueError):
                 pass
             failures += turns - done
 

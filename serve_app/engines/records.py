@@ -48,7 +48,7 @@ class TransferRecords:
             waiter = self._waiters.setdefault(transfer_id, asyncio.Event())
             try:
                 await asyncio.wait_for(waiter.wait(), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             finally:
                 self._waiters.pop(transfer_id, None)

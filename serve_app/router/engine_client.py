@@ -123,7 +123,7 @@ class EngineClient:
             raise
         except aiohttp.ClientError as exc:
             raise EngineUnreachable(f"the engine's endpoint could not be reached ({transport_reason(exc)})") from None
-        except asyncio.TimeoutError as exc:  # aiohttp's connect timeout
+        except TimeoutError as exc:  # aiohttp's connect timeout
             raise EngineUnreachable(f"the engine's endpoint did not answer in time ({type(exc).__name__})") from None
         except OSError as exc:  # a socket error aiohttp did not wrap: its text may name the peer
             raise EngineUnreachable(f"the engine's endpoint could not be reached ({transport_reason(exc)})") from None
