@@ -144,7 +144,9 @@ class EngineGroupConfig(ScalingConfig):
     )
     graceful_shutdown_timeout_s: float = Field(
         30.0,
-        gt=0,
+        # Serve's wait loop (0.5 s), the margin before its kill (2 s) and the drain's last second,
+        # which aborts what is still held so its streams end as moved (app.py, engines/server.py).
+        gt=3.5,
         description=(
             "how long a stopping engine replica may take: its requests move to other engines (decode) or finish (prefill) within it"
         ),
@@ -578,11 +580,31 @@ class AppConfig(_Strict):
         for role in ("prefill", "decode") if self.has_prefill() else ("decode",):
             kwargs = self.role_engine_kwargs(role)
             for key in ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"):
-                if int(kwargs.get(key, 1) or 1) != 1:
+                if _count_kwarg(kwargs, key, role) != 1:
                     raise ValueError(f"{role}: {key} {kwargs[key]}: the ascend backend runs tensor parallelism only (1 here)")
-            tp = int(kwargs.get("tensor_parallel_size", 1) or 1)
+            tp = _count_kwarg(kwargs, "tensor_parallel_size", role)
             if tp > KV_PORT_STRIDE:
                 raise ValueError(f"{role}: tensor_parallel_size {tp}: an engine's KV port block has {KV_PORT_STRIDE} ports, one per rank")
+            resources = getattr(self, role).resources
+            if resources is not None and resources.get("NPU") != tp:
+                # (Ray sets ASCEND_RT_VISIBLE_DEVICES from the NPUs a replica holds: one holding none sees every NPU.)
+                raise ValueError(
+                    f"{role}.resources replaces the replica's {{NPU: {tp}}} (one per tensor-parallel rank): name NPU: {tp} in it too"
+                )
+        if not self.has_prefill() and (self.role_engine_kwargs("decode").get("additional_config") or {}).get("recompute_scheduler_enable"):
+            raise ValueError(
+                "additional_config.recompute_scheduler_enable: vllm-ascend runs its RecomputeScheduler only with a KV "
+                "connector, which colocated decode engines have none of (they would not start); pd-serve turns it on "
+                "where there is prefill"
+            )
+        # Mooncake has no fallback port: every engine's block, a rolling update's replacements
+        # included, must lie below 65536, or high ranks would share kv_port_base's block.
+        top = self.kv_port_base + KV_PORT_STRIDE * (2 * self.prefill.max_replicas * self.has_prefill() + 2 * self.decode.max_replicas)
+        if top > 65536:
+            raise ValueError(
+                f"kv_port_base {self.kv_port_base}: the KV port blocks of up to {self.prefill.max_replicas if self.has_prefill() else 0} "
+                f"prefill and {self.decode.max_replicas} decode engines (twice each, for a rolling update) end at {top - 1}, past 65535"
+            )
 
     def role_engine_kwargs(self, role: Literal["prefill", "decode"]) -> dict[str, Any]:
         """The engine arguments the operator gave ``role``'s engines: the app-wide ones, the
@@ -607,8 +629,8 @@ class AppConfig(_Strict):
         for role in ("prefill", "decode") if self.has_prefill() else ("decode",):
             group: EngineGroupConfig = getattr(self, role)
             kwargs = self.role_engine_kwargs(role)
-            tp = int(kwargs.get("tensor_parallel_size", 1) or 1)
-            pp = int(kwargs.get("pipeline_parallel_size", 1) or 1)
+            tp = _count_kwarg(kwargs, "tensor_parallel_size", role)
+            pp = _count_kwarg(kwargs, "pipeline_parallel_size", role)
             ranks = tp * pp
             if ranks <= 1:
                 continue
@@ -844,6 +866,17 @@ MODEL_KWARGS: dict[str, Any] = {
 
 class ConfigError(ValueError):
     """A config that cannot start; the message names each bad field."""
+
+
+def _count_kwarg(kwargs: dict[str, Any], key: str, role: str) -> int:
+    """An engine argument that counts ranks (1 where unset), checked to be a whole number here,
+    where a bad one can be named, not in int() deep in a check."""
+    value = kwargs.get(key)
+    if value is None or value == 0:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{role}: {key} {value!r}: a whole number")
+    return value
 
 
 def load_config(args: dict[str, Any] | None) -> AppConfig:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -228,6 +230,39 @@ def test_parallelism_a_replica_cannot_hold_is_refused_at_load():
     with pytest.raises(ConfigError, match="tensor_parallel_size 32: an engine's KV port block has 16 ports"):
         load_config({**ascend, "decode": {"engine_kwargs": {"tensor_parallel_size": 32}}})
     assert load_config({**ascend, "engine_kwargs": {"tensor_parallel_size": 16}})
+
+
+def test_ascend_settings_its_engines_could_not_start_with_are_refused_at_load():
+    """Found by a review, each accepted before and failing later in a replica: a group's own
+    resources without its NPUs (Ray then hides no NPU from the replica's engine: every engine on
+    the node sees every NPU), the user's recompute switch on colocated decode engines (vllm-ascend
+    refuses it without a KV connector), KV port blocks past 65535 (Mooncake has no fallback port),
+    and a rank count that is no whole number (an int() traceback naming nothing)."""
+    ascend = {"backend": "ascend", "model": "/models/m", "engine_kwargs": {"tensor_parallel_size": 4}}
+    for resources in ({"pd_prefill": 0.01}, {"NPU": 1}):
+        with pytest.raises(ConfigError, match=r"prefill.resources replaces the replica's \{NPU: 4\}"):
+            load_config({**ascend, "prefill": {"resources": resources}})
+    assert load_config({**ascend, "prefill": {"resources": {"NPU": 4, "pd_prefill": 0.01}}})
+    colocated = {**ascend, "prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}}
+    with pytest.raises(ConfigError, match="recompute_scheduler_enable: vllm-ascend runs its RecomputeScheduler only with a KV"):
+        load_config({**colocated, "engine_kwargs": {"additional_config": {"recompute_scheduler_enable": True}}})
+    with pytest.raises(ConfigError, match="kv_port_base 65000: the KV port blocks of up to 100 prefill and 1 decode"):
+        load_config({**ascend, "kv_port_base": 65000, "prefill": {"num_replicas": "auto"}})
+    assert load_config({**ascend, "kv_port_base": 65000 - 16 * 4})  # 1 prefill, 1 decode: 4 blocks
+    for bad in ([2], "2", 2.5, True):
+        with pytest.raises(ConfigError, match=re.escape(f"tensor_parallel_size {bad!r}: a whole number")):
+            load_config({**ascend, "engine_kwargs": {"tensor_parallel_size": bad}})
+        with pytest.raises(ConfigError, match=re.escape(f"tensor_parallel_size {bad!r}: a whole number")):
+            load_config({"prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}, "engine_kwargs": {"tensor_parallel_size": bad}})
+
+
+def test_an_engine_drain_shorter_than_its_last_steps_is_refused():
+    """A stopping engine needs Serve's wait loop, the margin before Serve's kill and the drain's
+    last second (which aborts what is held, so its streams end as moved): under 3.5 s its streams
+    would end as failures, each an attempt counted against max_attempts."""
+    with pytest.raises(ConfigError, match="decode.graceful_shutdown_timeout_s"):
+        load_config({"decode": {"graceful_shutdown_timeout_s": 1}})
+    assert load_config({"decode": {"graceful_shutdown_timeout_s": 4}})
 
 
 def test_pools_take_serves_own_scaling_options():
