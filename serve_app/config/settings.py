@@ -2,7 +2,8 @@
 
 Every model forbids unknown keys, so a typo in the config file fails at start with a message that
 names the field (``prefill.engine_kwags: Extra inputs are not permitted``) instead of being
-silently ignored.
+silently ignored. ``engine_kwargs`` go to vLLM's engine arguments as they are (checked here only
+for what pd-serve sets or cannot serve): a typo there fails each engine's start, vLLM naming it.
 """
 
 from __future__ import annotations
@@ -482,8 +483,19 @@ class AppConfig(_Strict):
         or at the first transfer (a zero refuses every connection)."""
         from serve_app.wire.kv_limits import EXTRA_LIMITS, limit_problem
 
+        extra = self.kv_connector_extra_config
+        # What pd-serve sets itself: on Ascend Mooncake's rank layout (from tensor_parallel_size),
+        # on the CPU its connector's address and receive deadline (from router.timeouts).
+        owned = {"prefill": "each role's tp_size, from tensor_parallel_size", "decode": "each role's tp_size, from tensor_parallel_size"}
+        if self.backend == "cpu":
+            owned = {"kv_host": "the engine's address (VLLM_HOST_IP)", "recv_timeout_s": "decode's receive deadline, from router.timeouts"}
+        for key in owned.keys() & extra.keys():
+            raise ValueError(f"kv_connector_extra_config.{key} is set by pd-serve itself ({owned[key]})")
         if self.backend == "ascend":  # vllm-ascend's connector reads its own keys
             return self
+        if self.backend == "cpu":
+            for key in extra.keys() - EXTRA_LIMITS.keys():  # nothing would read it: a typo, not a setting
+                raise ValueError(f"kv_connector_extra_config.{key}: pd-serve's connector reads only {', '.join(sorted(EXTRA_LIMITS))}")
         for name in EXTRA_LIMITS.keys() & self.kv_connector_extra_config.keys():
             problem = limit_problem(name, self.kv_connector_extra_config[name])
             if problem is not None:

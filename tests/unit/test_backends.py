@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from serve_app.config.backends import ASCEND as ASCEND_BACKEND
 from serve_app.config.backends import KV_PORT_STRIDE, RECV_DEADLINE_MARGIN_S, engine_specs, prepare_engine_environment, replica_spec
-from serve_app.config.settings import load_config
+from serve_app.config.settings import ConfigError, load_config
 from serve_app.vllm_plugins.processes import ENGINE_CHILD_ENV
 
 
@@ -195,9 +197,9 @@ def test_decode_receive_deadline_follows_the_router_timeouts():
     specs = specs_by_name({"router": {"timeouts": {"kv_ready_s": 7, "prefill_s": 11}}})
     extra = specs["decode-0"].engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra["recv_timeout_s"] == 7 + 11 + RECV_DEADLINE_MARGIN_S
-    # A receive deadline in the config cannot undercut the router's.
-    specs = specs_by_name({"kv_connector_extra_config": {"recv_timeout_s": 1}})
-    assert specs["decode-0"].engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]["recv_timeout_s"] > 30
+    # A receive deadline in the config (which would undercut the router's) is refused at load.
+    with pytest.raises(ConfigError, match="recv_timeout_s is set by pd-serve itself"):
+        specs_by_name({"kv_connector_extra_config": {"recv_timeout_s": 1}})
 
 
 def test_every_engine_process_gets_the_parent_watchdog():

@@ -256,6 +256,21 @@ def test_ascend_settings_its_engines_could_not_start_with_are_refused_at_load():
             load_config({"prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}, "engine_kwargs": {"tensor_parallel_size": bad}})
 
 
+def test_kv_connector_extra_config_keys_pd_serve_sets_or_nothing_reads_are_refused():
+    """Merged over what pd-serve computes, they replaced it silently (Mooncake's rank layout on
+    Ascend: transfers between wrongly mapped ranks; decode's receive deadline on the CPU), and on
+    the CPU a misspelt limit was ignored."""
+    ascend = {"backend": "ascend", "model": "/models/m"}
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.prefill is set by pd-serve itself"):
+        load_config({**ascend, "kv_connector_extra_config": {"prefill": {"dp_size": 2, "tp_size": 8}}})
+    assert load_config({**ascend, "kv_connector_extra_config": {"mooncake_protocol": "ascend"}})
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.recv_timeout_s is set by pd-serve itself"):
+        load_config({"kv_connector_extra_config": {"recv_timeout_s": 5}})
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.max_conections: pd-serve's connector reads only"):
+        load_config({"kv_connector_extra_config": {"max_conections": 64}})
+    assert load_config({"kv_connector_extra_config": {"max_connections": 64}})
+
+
 def test_an_engine_drain_shorter_than_its_last_steps_is_refused():
     """A stopping engine needs Serve's wait loop, the margin before Serve's kill and the drain's
     last second (which aborts what is held, so its streams end as moved): under 3.5 s its streams
