@@ -52,6 +52,8 @@ class Backend:
     recompute_needs_kv_transfer: bool = False
     # Environment variables an engine of this backend refuses to start with, and why.
     refused_env: Mapping[str, str] = field(default_factory=dict)
+    # Variables of engine_env a group's env must not change, and why.
+    kept_env: Mapping[str, str] = field(default_factory=dict)
     # Keep loopback out of any HTTP proxy: the decode engine core posts its KV parameters to the
     # replica's relay on 127.0.0.1 with an HTTP client that honours *_PROXY (vllm-ascend: httpx).
     loopback_no_proxy: bool = False
@@ -126,6 +128,11 @@ CPU = Backend(
         "VLLM_USE_V2_MODEL_RUNNER": "0",
     },
     router_env={"TOKENIZERS_PARALLELISM": "false"},
+    kept_env={
+        ENGINE_CHILD_ENV: "without it an engine's processes outlive their replica",
+        SEEDED_SAMPLING_ENV: "a resumed or chunked seeded request would not sample what an uninterrupted one samples",
+        "VLLM_USE_V2_MODEL_RUNNER": "decode engines would not start on vLLM's V2 model runner (pd-serve's plug-ins need V1)",
+    },
     offline_local_model=True,
     pins_cpu_threads=True,
     push_records=True,
@@ -164,6 +171,7 @@ ASCEND = Backend(
         "TASK_QUEUE_ENABLE": "1",
         ENGINE_CHILD_ENV: "1",  # the watchdog and quick-exit plug-ins act in its engine's processes
     },
+    kept_env={ENGINE_CHILD_ENV: "without it an engine's processes outlive their replica"},
     extra_config_has_tp_sizes=True,
     accelerator_resource="NPU",
     # Not loaded by default: with any custom logits processor vLLM hands every request's output
@@ -479,6 +487,11 @@ def environment_problems(backend: Backend, env: Mapping[str, str]) -> list[str]:
     from serve_app.vllm_plugins import plugin_problems
 
     problems = [f"{name} is set: {why}; unset it" for name, why in backend.refused_env.items() if env.get(name, "") not in ("", "0")]
+    problems += [
+        f"{name} {env[name]!r}: pd-serve sets it to {backend.engine_env[name]!r} ({why})"
+        for name, why in backend.kept_env.items()
+        if name in env and env[name] != backend.engine_env[name]
+    ]
     return problems if backend.mock_engine else problems + plugin_problems(env)
 
 

@@ -271,6 +271,18 @@ def test_kv_connector_extra_config_keys_pd_serve_sets_or_nothing_reads_are_refus
     assert load_config({"kv_connector_extra_config": {"max_connections": 64}})
 
 
+def test_a_group_env_that_changes_what_the_backend_depends_on_is_refused_at_build():
+    """A group's env may tune its engines, not undo what pd-serve relies on: the V1 model
+    runner (decode would not start), seeded sampling that resumes (no longer token-exact), the
+    engine processes' watchdog (orphans)."""
+    from serve_app.app import Plugins, build_app_with
+
+    for name, value in (("VLLM_USE_V2_MODEL_RUNNER", "1"), ("PD_SERVE_SEEDED_SAMPLING", "0"), ("PD_SERVE_PARENT_WATCHDOG", "0")):
+        with pytest.raises(ConfigError, match=f"decode.env: {name} '{value}': pd-serve sets it to"):
+            build_app_with({"decode": {"env": {name: value}}}, Plugins())
+    assert build_app_with({"decode": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0", "OMP_NUM_THREADS": "1"}}}, Plugins())
+
+
 def test_an_engine_drain_shorter_than_its_last_steps_is_refused():
     """A stopping engine needs Serve's wait loop, the margin before Serve's kill and the drain's
     last second (which aborts what is held, so its streams end as moved): under 3.5 s its streams
