@@ -133,7 +133,14 @@ class EngineGroupConfig(ScalingConfig):
     num_replicas: Annotated[int, Field(ge=0, le=256)] | Literal["auto"] | None = Field(
         None, description="engines of this role (default 1), or 'auto'"
     )
-    max_ongoing_requests: int = Field(1024, ge=1, description="Serve's bound on calls in progress per engine replica")
+    max_ongoing_requests: int = Field(
+        1024,
+        ge=1,
+        description=(
+            "Serve's bound on calls in progress per engine replica: the router's engine calls under engine_transport "
+            "grpc or ray (over http, the default, they go to the engine's own endpoint: bound load at the router)"
+        ),
+    )
     max_surge_percent: int | None = Field(
         None,
         ge=0,
