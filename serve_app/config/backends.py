@@ -333,7 +333,7 @@ def replica_spec(
     name = f"{role}-{rank}"
     port_index = (kv_port_offset(config, role) if port_base is None else port_base) + (rank if port_slot is None else port_slot)
     kv_port = config.kv_port_base + port_index * KV_PORT_STRIDE
-    if kv_port + KV_PORT_STRIDE > 65535:
+    if kv_port + KV_PORT_STRIDE > 65536:  # (its last port past 65535)
         kv_port = config.kv_port_base  # a high rank: the fallback (cpu) finds a free port at start
     env = {**backend.engine_env, **offline_env(backend, config)}
     if backend.pins_cpu_threads:

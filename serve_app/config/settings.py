@@ -605,8 +605,10 @@ class AppConfig(_Strict):
             if tp > KV_PORT_STRIDE:
                 raise ValueError(f"{role}: tensor_parallel_size {tp}: an engine's KV port block has {KV_PORT_STRIDE} ports, one per rank")
             resources = getattr(self, role).resources
-            if resources is not None and resources.get("NPU") != tp:
-                # (Ray sets ASCEND_RT_VISIBLE_DEVICES from the NPUs a replica holds: one holding none sees every NPU.)
+            npus = (resources or {}).get("NPU") or 0
+            if resources is not None and (not npus or (tp > 1 and npus < tp)):
+                # (Ray sets ASCEND_RT_VISIBLE_DEVICES from the NPUs a replica holds: one holding none
+                # sees every NPU; a share of one is the user's choice where an engine has one rank.)
                 raise ValueError(
                     f"{role}.resources replaces the replica's {{NPU: {tp}}} (one per tensor-parallel rank): name NPU: {tp} in it too"
                 )
@@ -617,11 +619,12 @@ class AppConfig(_Strict):
                 "where there is prefill"
             )
         # Mooncake has no fallback port: every engine's block, a rolling update's replacements
-        # included, must lie below 65536, or high ranks would share kv_port_base's block.
-        top = self.kv_port_base + KV_PORT_STRIDE * (2 * self.prefill.max_replicas * self.has_prefill() + 2 * self.decode.max_replicas)
-        if top > 65536:
+        # included, must lie below 65536, or high ranks would share kv_port_base's block. (A
+        # colocated app's engines load no KV connector and use no KV port.)
+        top = self.kv_port_base + KV_PORT_STRIDE * (2 * self.prefill.max_replicas + 2 * self.decode.max_replicas)
+        if self.has_prefill() and top > 65536:
             raise ValueError(
-                f"kv_port_base {self.kv_port_base}: the KV port blocks of up to {self.prefill.max_replicas if self.has_prefill() else 0} "
+                f"kv_port_base {self.kv_port_base}: the KV port blocks of up to {self.prefill.max_replicas} "
                 f"prefill and {self.decode.max_replicas} decode engines (twice each, for a rolling update) end at {top - 1}, past 65535"
             )
 
@@ -891,11 +894,11 @@ def _count_kwarg(kwargs: dict[str, Any], key: str, role: str) -> int:
     """An engine argument that counts ranks (1 where unset), checked to be a whole number here,
     where a bad one can be named, not in int() deep in a check."""
     value = kwargs.get(key)
-    if value is None or value == 0:
+    if value is None:
         return 1
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{role}: {key} {value!r}: a whole number")
-    return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer() or value < 1:
+        raise ValueError(f"{role}: {key} {value!r}: a whole number, at least 1")
+    return int(value)
 
 
 def load_config(args: dict[str, Any] | None) -> AppConfig:

@@ -448,7 +448,7 @@ class AttemptRun:
         item, task = self.next_item, self.prefill_task
         if item not in done or task is None or task.cancelled() or task.exception() is None:
             return False
-        return not item.cancelled() and item.exception() is None
+        return not item.cancelled() and item.exception() is None and isinstance(item.result(), TokenDelta)
 
     def _prefill_outcome(self) -> AttemptEvent:
         task, self.prefill_task = self.prefill_task, None

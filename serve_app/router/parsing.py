@@ -653,8 +653,10 @@ def _misshapen_field(model: Any, body: dict[str, Any]) -> tuple[str, str] | None
     wrong shape fails there, in a message naming no field."""
     from pydantic import ValidationError
 
+    fields = getattr(model, "model_fields", {})
     for name, value in body.items():
-        adapter = _field_adapter(model, name)
+        # (Only the model's own fields: a client's other keys must not evict the cached validators.)
+        adapter = _field_adapter(model, name) if name in fields else None
         if adapter is None:
             continue
         try:

@@ -222,6 +222,7 @@ def test_over_serve_handles_each_call_reaches_the_replica_the_schedule_chose(rol
     prompts = [token_pattern(64 + 37 * i, seed=700 + i) for i in range(6)]
     want = [completion_ids(baseline_app, p, max_tokens=12)[1] for p in prompts]
     app = rolled_app
+    assert app.args["router"]["engine_transport"] == "grpc", "run before the redeploy test, which moves the router to http"
     with ThreadPoolExecutor(3) as pool:
         got = list(pool.map(lambda p: completion_ids(app, p, max_tokens=12), prompts))
     assert [tokens for _, tokens in got] == want
@@ -286,6 +287,7 @@ def test_a_redeploy_with_a_changed_decode_engine_argument_under_load_loses_no_re
             changed["router"]["engine_transport"] = "http"
             before = len(results)
             serve.run(build_app_with(changed, Plugins()), name=app.name, route_prefix=app.route_prefix)
+            app.args = changed  # (what the module's app now runs)
 
             def replaced() -> bool:
                 members = decode_members(app)

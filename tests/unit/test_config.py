@@ -243,13 +243,21 @@ def test_ascend_settings_its_engines_could_not_start_with_are_refused_at_load():
         with pytest.raises(ConfigError, match=r"prefill.resources replaces the replica's \{NPU: 4\}"):
             load_config({**ascend, "prefill": {"resources": resources}})
     assert load_config({**ascend, "prefill": {"resources": {"NPU": 4, "pd_prefill": 0.01}}})
+    assert load_config({**ascend, "prefill": {"resources": {"NPU": 8}}})  # more than its ranks: Ray's to place
+    one_rank = {"backend": "ascend", "model": "/models/m"}
+    assert load_config({**one_rank, "decode": {"resources": {"NPU": 0.5}}})  # one rank sharing an NPU: the user's choice
     colocated = {**ascend, "prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}}
     with pytest.raises(ConfigError, match="recompute_scheduler_enable: vllm-ascend runs its RecomputeScheduler only with a KV"):
         load_config({**colocated, "engine_kwargs": {"additional_config": {"recompute_scheduler_enable": True}}})
     with pytest.raises(ConfigError, match="kv_port_base 65000: the KV port blocks of up to 100 prefill and 1 decode"):
         load_config({**ascend, "kv_port_base": 65000, "prefill": {"num_replicas": "auto"}})
-    assert load_config({**ascend, "kv_port_base": 65000 - 16 * 4})  # 1 prefill, 1 decode: 4 blocks
-    for bad in ([2], "2", 2.5, True):
+    pools = {"prefill": {"num_replicas": 8}, "decode": {"num_replicas": 9}}  # 34 blocks, a rolling update's included
+    assert load_config({**ascend, **pools, "kv_port_base": 65536 - 16 * 34})  # the last one ending at 65535
+    with pytest.raises(ConfigError, match="end at 65536, past 65535"):
+        load_config({**ascend, **pools, "kv_port_base": 65536 - 16 * 34 + 1})
+    assert load_config({**colocated, "kv_port_base": 65000, "decode": {"num_replicas": "auto"}})  # no KV connector, no KV port
+    assert load_config({**ascend, "engine_kwargs": {"tensor_parallel_size": 4.0}})
+    for bad in ([2], "2", 2.5, True, 0, -1):
         with pytest.raises(ConfigError, match=re.escape(f"tensor_parallel_size {bad!r}: a whole number")):
             load_config({**ascend, "engine_kwargs": {"tensor_parallel_size": bad}})
         with pytest.raises(ConfigError, match=re.escape(f"tensor_parallel_size {bad!r}: a whole number")):

@@ -46,6 +46,18 @@ def test_text_like_content_parts_are_read_as_text_as_vllms_server_reads_them(ctx
     assert "<|assistant|>\nI can't\nbut<|end|>" in text, text
 
 
+def test_a_misshapen_field_is_named_with_validators_built_for_the_models_own_fields_only(ctx):
+    """A field of the wrong shape is found by validating each of the body's fields alone, with
+    validators built once; a client's own keys (vLLM's models keep them) must not evict them,
+    else every such request would rebuild them on the event loop."""
+    from serve_app.router import parsing
+
+    parsing._field_adapter.cache_clear()
+    body = {**{f"junk{i}": 1 for i in range(300)}, "prompt": "x", "structured_outputs": []}  # the junk first
+    assert refused(ctx, "completions", body).param == "structured_outputs"
+    assert parsing._field_adapter.cache_info().currsize <= 2  # prompt, structured_outputs
+
+
 def test_stop_strings_move_to_the_router_and_engines_skip_detokenizing(ctx):
     parsed = parse_request("completions", {"prompt": "x", "stop": ["a", "bc"], "max_tokens": 4, "temperature": 0}, ctx)
     assert parsed.stops == ["a", "bc"]
