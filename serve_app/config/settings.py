@@ -606,7 +606,7 @@ class AppConfig(_Strict):
                 raise ValueError(f"{role}: tensor_parallel_size {tp}: an engine's KV port block has {KV_PORT_STRIDE} ports, one per rank")
             resources = getattr(self, role).resources
             npus = (resources or {}).get("NPU") or 0
-            if resources is not None and (not npus or (tp > 1 and npus < tp)):
+            if resources is not None and (npus <= 0 or (tp > 1 and (npus < tp or not float(npus).is_integer()))):
                 # (Ray sets ASCEND_RT_VISIBLE_DEVICES from the NPUs a replica holds: one holding none
                 # sees every NPU; a share of one is the user's choice where an engine has one rank.)
                 raise ValueError(
@@ -896,9 +896,11 @@ def _count_kwarg(kwargs: dict[str, Any], key: str, role: str) -> int:
     value = kwargs.get(key)
     if value is None:
         return 1
-    if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer() or value < 1:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{role}: {key} {value!r}: a whole number, at least 1")
-    return int(value)
+    return value
 
 
 def load_config(args: dict[str, Any] | None) -> AppConfig:

@@ -244,6 +244,9 @@ def test_ascend_settings_its_engines_could_not_start_with_are_refused_at_load():
             load_config({**ascend, "prefill": {"resources": resources}})
     assert load_config({**ascend, "prefill": {"resources": {"NPU": 4, "pd_prefill": 0.01}}})
     assert load_config({**ascend, "prefill": {"resources": {"NPU": 8}}})  # more than its ranks: Ray's to place
+    for resources in ({"NPU": -1}, {"NPU": 4.5}):
+        with pytest.raises(ConfigError, match="prefill.resources replaces"):
+            load_config({**ascend, "prefill": {"resources": resources}})
     one_rank = {"backend": "ascend", "model": "/models/m"}
     assert load_config({**one_rank, "decode": {"resources": {"NPU": 0.5}}})  # one rank sharing an NPU: the user's choice
     colocated = {**ascend, "prefill": {"num_replicas": 0}, "router": {"mode": "colocated"}}
@@ -255,8 +258,14 @@ def test_ascend_settings_its_engines_could_not_start_with_are_refused_at_load():
     assert load_config({**ascend, **pools, "kv_port_base": 65536 - 16 * 34})  # the last one ending at 65535
     with pytest.raises(ConfigError, match="end at 65536, past 65535"):
         load_config({**ascend, **pools, "kv_port_base": 65536 - 16 * 34 + 1})
+    # The last block (decode's rank 17, a rolling update's) is its own, not moved onto kv_port_base.
+    from serve_app.config.backends import replica_spec
+
+    assert replica_spec(load_config({**ascend, **pools, "kv_port_base": 65536 - 16 * 34}), "decode", 17).kv_port == 65520
     assert load_config({**colocated, "kv_port_base": 65000, "decode": {"num_replicas": "auto"}})  # no KV connector, no KV port
     assert load_config({**ascend, "engine_kwargs": {"tensor_parallel_size": 4.0}})
+    with pytest.raises(ConfigError, match="an engine's KV port block has 16 ports"):  # a ConfigError, not an OverflowError
+        load_config({**ascend, "engine_kwargs": {"tensor_parallel_size": 10**400}})
     for bad in ([2], "2", 2.5, True, 0, -1):
         with pytest.raises(ConfigError, match=re.escape(f"tensor_parallel_size {bad!r}: a whole number")):
             load_config({**ascend, "engine_kwargs": {"tensor_parallel_size": bad}})
