@@ -503,8 +503,8 @@ class AppConfig(_Strict):
         if self.backend == "cpu":
             for key in extra.keys() - EXTRA_LIMITS.keys():  # nothing would read it: a typo, not a setting
                 raise ValueError(f"kv_connector_extra_config.{key}: pd-serve's connector reads only {', '.join(sorted(EXTRA_LIMITS))}")
-        for name in EXTRA_LIMITS.keys() & self.kv_connector_extra_config.keys():
-            problem = limit_problem(name, self.kv_connector_extra_config[name])
+        for name in EXTRA_LIMITS.keys() & extra.keys():
+            problem = limit_problem(name, extra[name])
             if problem is not None:
                 raise ValueError(f"kv_connector_extra_config.{problem}")
         return self
@@ -594,7 +594,7 @@ class AppConfig(_Strict):
         """What pd-serve's Ascend backend gives an engine: ``tensor_parallel_size`` NPUs and a KV
         port block of ``KV_PORT_STRIDE`` ports, one per rank (Mooncake listens on ``kv_port`` plus
         the rank); pipeline and context parallelism would need more of both."""
-        from serve_app.config.backends import KV_PORT_STRIDE
+        from serve_app.config.backends import KV_PORT_STRIDE, kv_port_offset
 
         for role in ("prefill", "decode") if self.has_prefill() else ("decode",):
             kwargs = self.role_engine_kwargs(role)
@@ -621,7 +621,7 @@ class AppConfig(_Strict):
         # Mooncake has no fallback port: every engine's block, a rolling update's replacements
         # included, must lie below 65536, or high ranks would share kv_port_base's block. (A
         # colocated app's engines load no KV connector and use no KV port.)
-        top = self.kv_port_base + KV_PORT_STRIDE * (2 * self.prefill.max_replicas + 2 * self.decode.max_replicas)
+        top = self.kv_port_base + KV_PORT_STRIDE * (kv_port_offset(self, "decode") + 2 * self.decode.max_replicas)
         if self.has_prefill() and top > 65536:
             raise ValueError(
                 f"kv_port_base {self.kv_port_base}: the KV port blocks of up to {self.prefill.max_replicas} "
