@@ -17,7 +17,7 @@ from typing import Any
 
 from serve_app.router.parsing import ParsedRequest
 from serve_app.router.recompute import Emission
-from serve_app.router.tools import AutoCalls, ForcedCall, RequiredCalls, RequiredCallsStream, new_call_id, required_tool_calls
+from serve_app.router.tools import ForcedCall, ParsedCalls, RequiredCalls, RequiredCallsStream, new_call_id, required_tool_calls
 from serve_app.wire.protocol import TokenLogprob
 
 logger = logging.getLogger("pd_serve.router")
@@ -102,10 +102,10 @@ class ResponseFramer:
         """Text as ``content``, or as tool calls (router/tools.py), with a reasoning model's
         thinking apart as ``reasoning`` (router/output_parsers.py). A named call's id, type and
         name come in the first delta that carries any arguments, as vLLM's server streams them;
-        each call of a required choice whole, once its JSON object is complete; an auto
-        choice's calls as vLLM's parser for the model's format reads them."""
+        each call of a required choice whole, once its JSON object is complete; calls in the
+        model's own format as vLLM's parser for that format reads them."""
         choice = self.request.tool_choice
-        if isinstance(choice, AutoCalls):  # its parser takes the reasoning out too
+        if isinstance(choice, ParsedCalls):  # its parser takes the reasoning out too
             delta = self._parsed_delta(choice.new_parser, choice.request, emission)
             if "tool_calls" in delta:
                 delta["tool_calls"] = choice.first_call_only(delta["tool_calls"])
@@ -180,9 +180,10 @@ class ResponseFramer:
         (a named choice's reply ends with "stop"). As vLLM's server: a whole (not streamed)
         reply with an auto choice's calls says "tool_calls" whatever ended it."""
         choice = self.request.tool_choice
-        if whole and isinstance(choice, AutoCalls) and calls:
+        parsed = isinstance(choice, ParsedCalls)
+        if whole and parsed and not choice.forced and calls:
             return "tool_calls"
-        calling = isinstance(choice, RequiredCalls | AutoCalls)
+        calling = isinstance(choice, RequiredCalls) or (parsed and not choice.named)
         return "tool_calls" if finish_reason == "stop" and calling and calls else finish_reason
 
     def reasoning_tokens(self, token_ids: list[int]) -> int | None:
@@ -354,10 +355,12 @@ class ResponseFramer:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatMessage
 
         choice = self.request.tool_choice
-        if isinstance(choice, AutoCalls):  # its parser takes the reasoning out too
+        if isinstance(choice, ParsedCalls):  # its parser takes the reasoning out too
             fields = self._parsed_reply(choice.new_parser, choice.request, text, token_ids, auto=True)
             if fields.get("tool_calls"):
                 fields["tool_calls"] = choice.first_call_only(fields["tool_calls"])
+            if choice.forced:  # as vLLM's server writes a named or required choice's reply
+                fields["content"] = fields.get("content") or ""
             return ChatMessage(role=self.request.reply_role, **self._shown(fields))
         fields = {"content": text}
         if self.request.reasoning is not None:  # what follows the thinking (None: it never ended)

@@ -28,8 +28,8 @@ from serve_app.router.errors import OpenAIError, bad_request
 from serve_app.router.output_parsers import ReasoningSplit
 from serve_app.router.text import PromptEncoder
 from serve_app.router.tools import (
-    AutoCalls,
     ForcedCall,
+    ParsedCalls,
     RequiredCalls,
     ToolChoice,
     new_call_id,
@@ -325,7 +325,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
     priority = _priority(headers.priorities, request, ctx)
     parser_kwargs = template_kwargs(request) if route == "chat" else {}
     tool_choice = tool_choice_of(request, ctx.tool_parser, ctx.parser_tokenizer, parser_kwargs) if route == "chat" else None
-    if tool_choice is not None and not isinstance(tool_choice, AutoCalls):
+    if tool_choice is not None and (not isinstance(tool_choice, ParsedCalls) or tool_choice.forced):
         # ("text" constrains nothing: vLLM's server takes it, which some clients always send.)
         formats = request.response_format is not None and getattr(request.response_format, "type", None) != "text"
         if request.structured_outputs is not None or formats:
@@ -336,7 +336,7 @@ def parse_request(route: Route, body: Any, ctx: ModelContext, headers: ClientHea
         include = bool(getattr(request, "include_reasoning", True))
         reasoning = ReasoningSplit(ctx.reasoning_parser, request, ctx.parser_tokenizer, parser_kwargs, include=include)
     parser = None  # the reply parser the request was adjusted for (vLLM's server reads the prompt with it too)
-    if isinstance(tool_choice, AutoCalls):
+    if isinstance(tool_choice, ParsedCalls):
         parser = _adjust_for_parser(tool_choice.new_parser, request)
     elif reasoning is not None:
         parser = _adjust_for_parser(reasoning.new_parser, request)

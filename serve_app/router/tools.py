@@ -1,11 +1,13 @@
-"""Tool calling the router serves without a model-specific parser: a named or a required call.
+"""Tool calling: a named or a required call, and "auto" read by the model's own tool-call parser.
 
-Both constrain the whole output with a JSON schema (structured output, which goes on across a
-recompute: vllm_plugins/resumed_grammar.py), so the tool calls are read from JSON the grammar
-guarantees rather than from the model's own tool-call format. That is what vLLM's server does for
-these two choices too, with the same schemas, and the client sees the same response (except that
-a required choice streams each call whole, once its object is complete, where vLLM's server
-streams its arguments in pieces; clients assemble both alike):
+Without a tool-call parser, or with one whose format is JSON vLLM can force (its
+``supports_required_and_named``), a named or a required choice constrains the whole output with a
+JSON schema (structured output, which goes on across a recompute:
+vllm_plugins/resumed_grammar.py), so the tool calls are read from JSON the grammar guarantees
+rather than from the model's own tool-call format. That is what vLLM's server does for these two
+choices too, with the same schemas, and the client sees the same response (except that a required
+choice streams each call whole, once its object is complete, where vLLM's server streams its
+arguments in pieces; clients assemble both alike):
 
 * ``tool_choice: {"type": "function", "function": {"name": ...}}``: the output is that function's
   arguments (its parameter schema is the grammar); the reply is one call, ``finish_reason``
@@ -18,9 +20,15 @@ streams its arguments in pieces; clients assemble both alike):
 its own format, which only a parser for that model's format can read out of the text. With
 ``router.tool_call_parser`` naming one of vLLM's parsers (``--tool-call-parser``), the router runs
 it on the response text, streamed or not, as vLLM's server does with ``--enable-auto-tool-choice``
-(``AutoCalls``); the text is the whole response's, whatever the attempts behind it, so a recompute
+(``ParsedCalls``); the text is the whole response's, whatever the attempts behind it, so a recompute
 is invisible to the parser too. Without one, ``"auto"`` is refused, saying what works. ``"none"``
 renders the tools into the prompt (as vLLM does) and answers in text.
+
+A parser whose format is not that JSON (vLLM 0.32's parsers of formats xgrammar knows, hermes
+among them, under ``VLLM_ENFORCE_STRICT_TOOL_CALLING``, on by default; XML formats such as
+qwen3_coder's in any version) serves a named or required choice the way vLLM's server does: the
+parser's ``adjust_request`` holds the model to calls in its own format (a structural tag, where
+the parser has one) and the parser reads them, as an auto choice's (``ParsedCalls.forced``).
 """
 
 from __future__ import annotations
@@ -70,10 +78,22 @@ class RequiredCalls:
 
 
 @dataclass(frozen=True)
-class AutoCalls(ParserUse):
-    """``tool_choice: "auto"`` with a tool-call parser (with the reasoning parser, if any, ahead of
-    it): the model may answer in text or call tools in its own format, and vLLM's parser for that
-    format reads the calls out of the text."""
+class ParsedCalls(ParserUse):
+    """Calls in the model's own format, read out of the text by the configured tool-call parser
+    (with the reasoning parser, if any, ahead of it): ``tool_choice: "auto"``, where the model may
+    answer in text instead, and a named or required choice where the parser's format is not the
+    JSON vLLM forces (module docstring)."""
+
+    @property
+    def forced(self) -> bool:
+        """A named or required choice: the reply is calls (content "" beside them, as on vLLM's
+        server), and the choice is one of the tools' or no grammar beside it (a 400)."""
+        return self.request.tool_choice not in (None, "auto")
+
+    @property
+    def named(self) -> bool:
+        """A named choice, whose reply ends with "stop" (OpenAI's for a named call)."""
+        return self.forced and self.request.tool_choice != "required"
 
     def first_call_only(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``parallel_tool_calls: false``: the first call alone, as vLLM's server filters them
@@ -83,7 +103,7 @@ class AutoCalls(ParserUse):
         return [call for i, call in enumerate(calls) if call.get("index", i) == 0]
 
 
-ToolChoice = ForcedCall | RequiredCalls | AutoCalls
+ToolChoice = ForcedCall | RequiredCalls | ParsedCalls
 
 
 def tool_choice_of(
@@ -91,22 +111,32 @@ def tool_choice_of(
 ) -> ToolChoice | None:
     """What a chat request's ``tool_choice`` asks of the output (None: text). vLLM's request model
     has already checked the choice's shape and that a named function is among ``tools``.
-    ``parser_cls``: the configured tool-call parser (router/output_parsers.py), which "auto" needs."""
+    ``parser_cls``: the configured tool-call parser (router/output_parsers.py), which "auto" needs,
+    and which reads a named or required choice's calls where its format is not vLLM's JSON."""
     choice = request.tool_choice
     if not request.tools or choice is None or choice == "none":
         return None
+    tool = None
+    if not isinstance(choice, str):
+        name = choice.function.name
+        # The last tool of that name, as vLLM's server (a map by name) takes it.
+        tool = next((t for t in reversed(request.tools) if t.function.name == name), None)
+        if tool is None:  # vLLM's validator refuses it first; never constrain by another tool's schema
+            raise bad_request(f"Tool '{name}' has not been passed in `tools`", param="tool_choice")
+    if parser_cls is not None and (choice == "auto" or not forces_json(parser_cls)):
+        return ParsedCalls(parser_cls=parser_cls, request=request, tokenizer=tokenizer, template_kwargs=dict(template_kwargs or {}))
     if choice == "required":
         return RequiredCalls(schema=required_calls_schema(request.tools, single=request.parallel_tool_calls is False))
-    if choice == "auto" and parser_cls is not None:
-        return AutoCalls(parser_cls=parser_cls, request=request, tokenizer=tokenizer, template_kwargs=dict(template_kwargs or {}))
-    if isinstance(choice, str):
+    if tool is None:
         raise bad_request(AUTO_REFUSED, param="tool_choice")
-    name = choice.function.name
-    # The last tool of that name, as vLLM's server (a map by name) takes it.
-    tool = next((t for t in reversed(request.tools) if t.function.name == name), None)
-    if tool is None:  # vLLM's validator refuses it first; never constrain by another tool's schema
-        raise bad_request(f"Tool '{name}' has not been passed in `tools`", param="tool_choice")
-    return ForcedCall(name=name, schema=tool.function.parameters or no_parameters())
+    return ForcedCall(name=tool.function.name, schema=tool.function.parameters or no_parameters())
+
+
+def forces_json(parser_cls: Any) -> bool:
+    """Whether vLLM's server serves a named or required choice with this parser configured by
+    forcing its JSON (the tool parser's ``supports_required_and_named``; True where the class
+    does not say, as in vLLM's base class)."""
+    return bool(getattr(getattr(parser_cls, "tool_parser_cls", None), "supports_required_and_named", True))
 
 
 def required_calls_schema(tools: list[Any], single: bool) -> dict[str, Any]:

@@ -343,6 +343,79 @@ def test_auto_tool_calls_are_read_by_the_models_parser_through_disaggregated_eng
     wait_idle(app)
 
 
+# Strict tools: the structural tag holds a call's arguments to the schema (short, so the random
+# model's call ends well within its budget).
+STRICT_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "now", "strict": True, "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+    },
+]
+
+
+def test_named_and_required_calls_are_written_in_the_models_format_and_read_by_its_parser(app, baseline_app, tiny_tokenizer):
+    """With hermes as the tool-call parser (vLLM 0.32: a format xgrammar knows, so vLLM's server
+    does not force its JSON), a named or required ``tool_choice`` is served as vLLM's server
+    serves it: hermes' structural tag holds the model to a call in hermes' format, and the parser
+    reads it. The disaggregated engines sample the tokens a colocated engine samples for that
+    grammar (given as a client's, ``tool_choice: none``), and the reply is the call, content "",
+    streamed or not, "stop" for a named choice and "tool_calls" for a required one."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    from serve_app.router.output_parsers import load_parser
+
+    chat = {
+        "messages": [{"role": "user", "content": " ".join(f"w{i % 83}" for i in range(40)) + " Weather in Oslo?"}],
+        "tools": STRICT_TOOLS,
+        "parallel_tool_calls": False,  # one call, in the grammar too
+        "max_tokens": 200,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    hermes = load_parser(tiny_tokenizer, tool="hermes")
+    for choice, finish in (({"type": "function", "function": {"name": "get_weather"}}, "stop"), ("required", "tool_calls")):
+        body = {**chat, "tool_choice": choice}
+        request = ChatCompletionRequest(model="tiny-llama", **body)
+        hermes(tiny_tokenizer, request.tools).adjust_request(request)
+        tag = request.structured_outputs.structural_tag
+        assert tag is not None and "<tool_call>" in tag, "vLLM's hermes parser gave no structural tag for this choice"
+        colocated = {**chat, "tool_choice": "none", "skip_special_tokens": False, "structured_outputs": {"structural_tag": tag}}
+        want = post(baseline_app, "/v1/chat/completions", colocated).json()["choices"][0]
+        text = want["message"]["content"]
+        assert want["finish_reason"] == "stop" and text.startswith("<tool_call>") and text.endswith("</tool_call>"), want
+        written = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+
+        response = post(app, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        got = response.json()["choices"][0]
+        assert got["token_ids"] == want["token_ids"] and got["finish_reason"] == finish and got["message"]["content"] == "", got
+        (call,) = got["message"]["tool_calls"]
+        assert call["id"] and call["function"]["name"] == written["name"]
+        assert json.loads(call["function"]["arguments"]) == written["arguments"]
+
+        with requests.post(app.base_url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=180) as streamed:
+            assert streamed.status_code == 200, streamed.text
+            choices = [chunk["choices"][0] for chunk in sse_chunks(streamed) if chunk["choices"]]
+        calls = [c for one in choices for c in one["delta"].get("tool_calls") or ()]
+        assert [c["function"]["name"] for c in calls if c.get("id")] == [written["name"]] and {c["index"] for c in calls} == {0}
+        assert json.loads("".join(c["function"].get("arguments") or "" for c in calls)) == written["arguments"]
+        assert not "".join(one["delta"].get("content") or "" for one in choices) and choices[-1]["finish_reason"] == finish
+    wait_idle(app)
+
+
 def test_corrupted_kv_changes_the_output(app, baseline_app):
     # Used by this test only: the corrupt KV stays in that cache.
     prompt = faulty_prompt(CORRUPT_KV, token_pattern(600, seed=7))

@@ -2,7 +2,8 @@
 vLLM tool-call parser. Parsing with vLLM's request models and the tiny tokenizer, the response
 framing, and the whole router on mock engines (tests/support/inprocess.py). test_foundation.py
 runs named and required choices on real engines, where the grammar constrains the output;
-test_cdcp.py and test_recompute_e2e.py run "auto" with vLLM's hermes parser."""
+test_cdcp.py and test_recompute_e2e.py run "auto" with vLLM's hermes parser, and test_cdcp.py
+named and required choices in hermes' own format."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from serve_app.router.output_parsers import load_parser
 from serve_app.router.parsing import ModelContext, parse_request
 from serve_app.router.recompute import Emission
 from serve_app.router.tools import (
-    AutoCalls,
+    ForcedCall,
+    ParsedCalls,
     RequiredCalls,
     RequiredCallsStream,
+    forces_json,
     no_parameters,
     required_tool_calls,
 )
@@ -220,16 +223,17 @@ def auto_ctx(tiny_tokenizer):
 def test_auto_is_served_with_a_tool_call_parser_as_vllms_server_adjusts_it(auto_ctx):
     for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):  # "auto" is the default with tools
         parsed = parse_request("chat", {"messages": MESSAGES, **body}, auto_ctx)
-        assert isinstance(parsed.tool_choice, AutoCalls) and parsed.tool_choice.request.tools[0].function.name == "get_weather"
+        assert isinstance(parsed.tool_choice, ParsedCalls) and parsed.tool_choice.request.tools[0].function.name == "get_weather"
         # hermes keeps special tokens in the text (its markers are special tokens in some models).
         assert parsed.skip_special_tokens is False and parsed.sampling_params.skip_special_tokens is False
         assert parsed.sampling_params.structured_outputs is None  # the model may answer in text
     # The model decides, so a client's grammar may come too (as on vLLM's server).
     body = {"messages": MESSAGES, "tools": TOOLS, "structured_outputs": {"regex": "[a-z]+"}}
     assert parse_request("chat", body, auto_ctx).sampling_params.structured_outputs.regex == "[a-z]+"
-    # Named and required choices stay the router's own (a grammar, no parser); "none" is text.
+    # Named and required choices: the router's own JSON where vLLM forces JSON with this parser
+    # (below for the other case); "none" is text.
     required = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}, auto_ctx)
-    assert isinstance(required.tool_choice, RequiredCalls)
+    assert isinstance(required.tool_choice, RequiredCalls if forces_json(auto_ctx.tool_parser) else ParsedCalls)
     parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}, auto_ctx)
     assert parsed.tool_choice is None and parsed.skip_special_tokens is True
     # A strict tool: vLLM 0.32 holds a call's arguments to its schema once the model opens one
@@ -243,6 +247,94 @@ def test_auto_is_served_with_a_tool_call_parser_as_vllms_server_adjusts_it(auto_
         assert "<tool_call>" in json.dumps(tag) and "get_weather" in json.dumps(tag)
     else:
         assert outputs is None
+
+
+@pytest.fixture
+def native_ctx(tiny_tokenizer, tmp_path):
+    """hermes as vLLM 0.32 has it (a format xgrammar knows): a named or required choice is
+    served in the model's own format, not vLLM's JSON. A subclass says so on any vLLM version."""
+    plugin = tmp_path / "pd_native_tool_parser.py"
+    plugin.write_text(
+        "from vllm.tool_parsers import ToolParserManager\n"
+        "from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser\n"
+        "ToolParserManager.register_module('pd_native_calls', module=type('PdNativeCalls', (Hermes2ProToolParser,), "
+        "{'supports_required_and_named': False}))\n"
+    )
+    parser = load_parser(tiny_tokenizer, tool="pd_native_calls", tool_plugin=str(plugin))
+    return ModelContext(
+        name="tiny-llama", aliases=frozenset(), max_model_len=512, vocab_size=1024, tokenizer=tiny_tokenizer, tool_parser=parser
+    )
+
+
+def test_a_parser_that_is_not_vllms_json_serves_named_and_required_choices_in_its_own_format(native_ctx, auto_ctx, tiny_tokenizer):
+    """As vLLM's server: where the tool parser does not take vLLM's JSON for a named or required
+    choice (``supports_required_and_named``), the request is adjusted by the parser (vLLM 0.32:
+    a structural tag holding the model to calls in its format) and the calls are read by it."""
+    from vllm import envs
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    # vLLM 0.32's own hermes parser is such a parser (a structural tag model, strict calling on).
+    strict = getattr(envs, "VLLM_ENFORCE_STRICT_TOOL_CALLING", False) and getattr(
+        auto_ctx.tool_parser.tool_parser_cls, "structural_tag_model", None
+    )
+    assert forces_json(auto_ctx.tool_parser) is not bool(strict) and not forces_json(native_ctx.tool_parser)
+    for choice in ("required", named("get_weather")):
+        parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": choice}, native_ctx)
+        assert isinstance(parsed.tool_choice, ParsedCalls) and parsed.tool_choice.forced
+        assert parsed.tool_choice.named is (choice != "required")
+        assert parsed.sampling_params.skip_special_tokens is False  # hermes' adjustment, as for auto
+        # The grammar is what vLLM's parser makes of the request (on vLLM 0.23 its JSON, on 0.32
+        # the parser's structural tag), not the router's own.
+        outputs = parsed.sampling_params.structured_outputs
+        theirs = ChatCompletionRequest(model="tiny-llama", messages=MESSAGES, tools=TOOLS, tool_choice=choice)
+        native_ctx.tool_parser(tiny_tokenizer, theirs.tools).adjust_request(theirs)
+        assert outputs == theirs.structured_outputs
+        if strict:
+            assert outputs.json is None
+            tag = json.loads(outputs.structural_tag)
+            assert tag["format"]["at_least_one"] is True and tag["format"]["stop_after_first"] is (choice != "required")
+            names = {t["begin"].split('"name": "')[1].split('"')[0] for t in tag["format"]["tags"]}
+            assert names == ({"get_weather", "now"} if choice == "required" else {"get_weather"})
+        # Another grammar beside a choice that forces calls is a 400, as with the router's own.
+        body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "response_format": {"type": "json_object"}}
+        assert refused(native_ctx, body).param == "response_format"
+        assert refused(native_ctx, {**body, "tool_choice": named("missing")}).param.startswith("tool_choice")
+    # With a parser that takes vLLM's JSON (vLLM 0.32 makes every structural tag model's False),
+    # the router's own JSON grammar.
+    json_only = {"supports_required_and_named": True, "structural_tag_model": None}
+    json_calls = type("JsonCalls", (native_ctx.tool_parser.tool_parser_cls,), json_only)
+    hermes_json = dataclasses.replace(native_ctx, tool_parser=type("Json", (native_ctx.tool_parser,), {"tool_parser_cls": json_calls}))
+    parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": named("now")}, hermes_json)
+    assert isinstance(parsed.tool_choice, ForcedCall) and parsed.sampling_params.structured_outputs.json == no_parameters()
+
+
+def test_a_named_or_required_choice_in_the_parsers_format_is_framed_as_vllms_server_frames_it(native_ctx):
+    """Calls read by the parser, whole or streamed at any pace; content "" beside them (vLLM
+    writes ``content or ""`` for these choices); "tool_calls" ends a required choice's reply,
+    "stop" a named one's; a reply cut short inside its call has no call and keeps its finish."""
+    second = HERMES_CALL.replace("Oslo", "Bergen")
+    for choice, finish in (("required", "tool_calls"), (named("get_weather"), "stop")):
+        parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": choice}, native_ctx)
+        text = HERMES_CALL if choice != "required" else HERMES_CALL + "\n" + second
+        want = [("get_weather", {"city": "Oslo", "days": 2})]
+        if choice == "required":
+            want.append(("get_weather", {"city": "Bergen", "days": 2}))
+        whole = reply(parsed, text)
+        assert whole["finish_reason"] == finish and whole["message"]["content"] == "", whole
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["message"]["tool_calls"]] == want
+        for step in (1, 3, 16, len(text)):
+            content, calls, last = streamed(parsed, text, step)
+            assert not content.strip() and last == finish, step
+            assert [(name, json.loads(arguments)) for _, name, arguments in calls] == want, step
+        # Cut short inside the call: no call, and the text as content (hermes' parser, not one of
+        # vLLM's engine-based ones, gives it back whole); "length" says why, whole or streamed.
+        cut = reply(parsed, HERMES_CALL[:-20], finish="length")
+        assert cut["finish_reason"] == "length" and not cut["message"].get("tool_calls") and cut["message"]["content"] == HERMES_CALL[:-20]
+        assert streamed(parsed, HERMES_CALL[:-20], 4, finish="length")[2] == "length"
+    # parallel_tool_calls: false keeps the first call, as for auto.
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    (call,) = reply(parse_request("chat", body, native_ctx), HERMES_CALL + "\n" + second)["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["city"] == "Oslo"
 
 
 def test_a_tool_call_parser_fails_at_start_not_on_a_request(tiny_tokenizer, tmp_path):
