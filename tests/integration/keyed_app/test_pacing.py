@@ -1,6 +1,7 @@
 """Paced streams on a real vLLM engine: an engine replica spaces each stream's items out
 (``stream_items_per_s``), and a stream's last tokens still leave the moment its request finishes
-in the engine, not when its interval is up (engines/pacing.py)."""
+in the engine, not when its interval is up (engines/pacing.py). The app is conftest.py's, whose
+streams are paced at one item a second."""
 
 from __future__ import annotations
 
@@ -11,19 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.support.cluster import BASELINE_ARGS, deployed, wait_idle
+from serve_app.config.settings import load_config
+from tests.support.cluster import wait_idle
 
 pytestmark = pytest.mark.engine
 
-STREAMS = 4
-ITEMS_PER_S = 1.0  # with four streams, each may send an item every (4 - 1) / 1 = 3 s
+STREAMS = 4  # each may send an item every (4 - 1) / 1 = 3 s
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def paced_app(cluster):
-    with deployed(cluster, "paced", {**BASELINE_ARGS, "stream_items_per_s": ITEMS_PER_S}) as app:
-        yield app
 
 
 def stream_once(app, i: int) -> tuple[float, list[list[int]]]:
@@ -38,7 +33,7 @@ def stream_once(app, i: int) -> tuple[float, list[list[int]]]:
     }
     started = time.monotonic()
     chunks: list[list[int]] = []
-    with requests.post(app.base_url + "/v1/completions", json=body, stream=True, timeout=60) as response:
+    with requests.post(app.base_url + "/v1/completions", json=body, headers=app.headers, stream=True, timeout=60) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -50,13 +45,14 @@ def stream_once(app, i: int) -> tuple[float, list[list[int]]]:
     return time.monotonic() - started, chunks
 
 
-def test_a_paced_streams_last_tokens_leave_when_its_request_finishes(paced_app):
+def test_a_paced_streams_last_tokens_leave_when_its_request_finishes(app):
+    assert load_config(app.args).stream_items_per_s == 1.0
     with ThreadPoolExecutor(STREAMS) as pool:
-        results = list(pool.map(lambda i: stream_once(paced_app, i), range(STREAMS)))
+        results = list(pool.map(lambda i: stream_once(app, i), range(STREAMS)))
     for seconds, chunks in results:
         assert sum(len(c) for c in chunks) == MAX_TOKENS
         # Paced: the engine merged the steps between items (unpaced, each token is an item).
         assert len(chunks) < MAX_TOKENS / 2, [len(c) for c in chunks]
         # Not held: the request took a small part of the 3 s a held last item would wait.
         assert seconds < 1.5, (seconds, [len(c) for c in chunks])
-    wait_idle(paced_app)
+    wait_idle(app)

@@ -1,7 +1,7 @@
 """Nothing a client sends steers an engine's KV transfer, on real engines.
 
-The app is colocated but has a prefill engine, so its decode engine loads the KV connector: a
-request carrying its own ``kv_transfer_params`` would otherwise make that connector post block
+The app (conftest.py) is colocated but has a prefill engine, so its decode engine loads the KV
+connector: a request carrying its own ``kv_transfer_params`` would otherwise make that connector post block
 ids to any URL and wait for KV that never comes. A local HTTP server stands in for the target
 and counts every request that reaches it.
 """
@@ -20,21 +20,9 @@ import requests
 
 from serve_app.wire.protocol import EngineRequest, KVReady, TokenDelta
 from serve_app.wire.sampling import encode_sampling
-from tests.support.cluster import deployed, engine_handles, inspect, post, sse_chunks, wait_idle
+from tests.support.cluster import engine_handles, inspect, post, sse_chunks, wait_idle
 
 pytestmark = pytest.mark.engine
-
-ARGS = {
-    "served_model_name": "tiny-llama",
-    "max_model_len": 2048,
-    # A reasoning model's engine (qwen3's parser; grammars hold its thinking too), for the last
-    # test only: no other test here gets a chat reply, so this app serves both, one app fewer to start.
-    "engine_kwargs": {"structured_outputs_config": {"reasoning_parser": "qwen3", "enable_in_reasoning": True}},
-    "prefill": {"num_replicas": 1, "num_cpus": 0.1},
-    "decode": {"num_replicas": 1, "num_cpus": 0.1},
-    # Clients need a key (vLLM's --api-key): every request below sends it (tests/support/cluster.py).
-    "router": {"mode": "colocated", "num_cpus": 0.05, "api_keys": ["token-abc123"]},
-}
 
 
 class Target:
@@ -62,12 +50,6 @@ class Target:
 
     def close(self) -> None:
         self.server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def app(cluster) -> Iterator:
-    with deployed(cluster, "sec", ARGS) as app:
-        yield app
 
 
 @pytest.fixture
