@@ -310,8 +310,9 @@ def test_a_parser_that_is_not_vllms_json_serves_named_and_required_choices_in_it
 
 def test_a_named_or_required_choice_in_the_parsers_format_is_framed_as_vllms_server_frames_it(native_ctx):
     """Calls read by the parser, whole or streamed at any pace; content "" beside them (vLLM
-    writes ``content or ""`` for these choices); "tool_calls" ends a required choice's reply,
-    "stop" a named one's; a reply cut short inside its call has no call and keeps its finish."""
+    0.32 writes ``content or ""`` for these choices; 0.23 drops the text); "tool_calls" ends a
+    required choice's reply, "stop" a named one's; a reply cut short inside its call has no call
+    and keeps its finish."""
     second = HERMES_CALL.replace("Oslo", "Bergen")
     for choice, finish in (("required", "tool_calls"), (named("get_weather"), "stop")):
         parsed = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": choice}, native_ctx)
@@ -326,11 +327,20 @@ def test_a_named_or_required_choice_in_the_parsers_format_is_framed_as_vllms_ser
             content, calls, last = streamed(parsed, text, step)
             assert not content.strip() and last == finish, step
             assert [(name, json.loads(arguments)) for _, name, arguments in calls] == want, step
-        # Cut short inside the call: no call, and the text as content (hermes' parser, not one of
-        # vLLM's engine-based ones, gives it back whole); "length" says why, whole or streamed.
+        # Cut short inside the call: no call, and the text as content, as vLLM 0.32 sends it
+        # (hermes' parser, not one of its engine-based ones, gives it back whole); "length" says
+        # why, whole or streamed.
         cut = reply(parsed, HERMES_CALL[:-20], finish="length")
         assert cut["finish_reason"] == "length" and not cut["message"].get("tool_calls") and cut["message"]["content"] == HERMES_CALL[:-20]
         assert streamed(parsed, HERMES_CALL[:-20], 4, finish="length")[2] == "length"
+    # Prose where a required choice's call should be (a parser without a grammar for its format):
+    # no call, the text, and "stop" (vLLM says "tool_calls" with no calls; the router's own JSON
+    # choice says "stop" too).
+    required = parse_request("chat", {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}, native_ctx)
+    text = "I cannot call a tool."
+    prose = reply(required, text)
+    assert prose["finish_reason"] == "stop" and prose["message"]["content"] == text and not prose["message"].get("tool_calls")
+    assert streamed(required, text, 4) == (text, [], "stop")
     # parallel_tool_calls: false keeps the first call, as for auto.
     body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
     (call,) = reply(parse_request("chat", body, native_ctx), HERMES_CALL + "\n" + second)["message"]["tool_calls"]
