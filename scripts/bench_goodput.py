@@ -11,12 +11,13 @@ stalls every running request's next token; with prefill and decode apart, decode
 That is what this benchmark measures (DistServe's goodput; Splitwise and Mooncake make the same
 case).
 
-Targets, on the same cores (all of the host's):
+Targets, on the same two cores, 0 and 1 (on a larger host the benchmark holds itself, and so
+every process it starts, to those two):
 
-* ``vllm``: vLLM's own OpenAI server, one engine whose threads use every core, chunked prefill
+* ``vllm``: vLLM's own OpenAI server, one engine whose threads use both cores, chunked prefill
   on with a step budget of ``--chunk`` tokens (smaller steps bound how long a prefill stalls
   decoding requests; that is vLLM's own answer to this problem);
-* ``colocated``: pd-serve with one decode engine on every core, the same engine arguments;
+* ``colocated``: pd-serve with one decode engine on both cores, the same engine arguments;
 * ``disaggregated``: pd-serve 1P1D, the prefill engine on the first core, the decode engine on
   the last (its prefill takes the whole prompt in one step: there is no decode to protect);
 * ``conditional``: the same 1P1D app with ``router.local_prefill_max_tokens`` at
@@ -30,7 +31,11 @@ its label says, and the rates differ in pace only, not in the luck of the draw. 
 sequence, the rest chat-sized ``SHORT_IN`` in, every request ``OUT`` output tokens, greedy,
 ``ignore_eos``. Prompts are random token ids from a seed per rate (a rate's prompts are not in
 the cache from the one before; every target gets the same requests). Per rate: TTFT p90, ITL p99
-per token, TPOT p90, output tokens/s, SLO attainment and goodput.
+per token, TPOT p90, output tokens/s, SLO attainment and goodput; for the 1P1D targets, the share
+of the prompt tokens the prefill engine computed (the router prefills a prompt on its decode
+engine where ``local_prefill_max_tokens`` says so, and falls back to that while no prefill engine
+is healthy: a disaggregated run below 99% is flagged, its figures partly a colocated app's); and
+how late the client sent requests (it shares the cores: a late send lowers the offered rate).
 
 ITL is counted per token, as a reader sees it: a chunk of k tokens after a gap of g is one wait of
 g and k - 1 of none. vLLM's server sends a token per chunk and pd-serve several (its stream
@@ -62,6 +67,7 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -75,7 +81,20 @@ import yaml
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, parse_sets, set_arg, sse_events, started, vllm_server_command  # noqa: E402
+from bench_serving import (  # noqa: E402
+    OPERATOR_TOKEN,
+    REPO_ROOT,
+    VENV_BIN,
+    base_env,
+    handed_off_share,
+    host_speed,
+    parse_sets,
+    prompt_tokens_by_role,
+    set_arg,
+    sse_events,
+    started,
+    vllm_server_command,
+)
 
 from serve_app.runtime.ports import free_port  # noqa: E402
 
@@ -101,6 +120,8 @@ ALONE = 8  # long prompts one at a time, per measurement of a prompt alone
 OVERRIDES: dict[str, Any] = {}  # --set KEY=JSON: app args of the pd-serve targets (dotted keys nest)
 VOCAB_LOW, VOCAB_HIGH = 10, 1000  # ordinary tokens of the recipe's tokenizer (no special ids)
 ARRIVAL_SEED = 1  # the one arrival sequence and mix, fixed before any run
+CORES = {0, 1}  # every target's (the engines' cpu_bind below names them)
+LATE_WARNING_S = 0.01  # a send this late past its arrival time is reported
 
 
 # ---------------------------------------------------------------------------- the workload (pure)
@@ -139,6 +160,7 @@ class Outcome:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens each of those chunks brought
     first_chunk_tokens: int = 1
     e2e_s: float | None = None
+    late_s: float = 0.0  # how long after its arrival time the request was sent (a busy client)
     tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # only when asked for (return_token_ids)
 
@@ -187,6 +209,7 @@ def summarize(outcomes: list[Outcome], wall_s: float, span_s: float) -> dict[str
         "tokens_per_s": sum(o.tokens for o in done) / wall_s if wall_s > 0 else math.nan,
         "attainment": met / len(outcomes) if outcomes else math.nan,
         "goodput_rps": met / span_s if span_s > 0 else math.nan,
+        "send_late_max_s": max((o.late_s for o in outcomes), default=0.0),
     }
 
 
@@ -226,6 +249,7 @@ async def one_request(
         "return_token_ids": True,  # how many tokens each chunk brings (per-token ITL)
     }
     sent = time.perf_counter()
+    outcome.late_s = max(0.0, sent - (start + request.at_s))
     last, pending = None, 0
     try:
         async with session.post(url, json=body) as response:
@@ -286,6 +310,7 @@ def app_args(target: str, chunk: int) -> dict[str, Any]:
     args = dict(app["args"])
     args.update(model=str(MODEL_DIR), served_model_name=SERVED_NAME, max_model_len=MAX_MODEL_LEN)
     step = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True}
+    args["router"] = {**args["router"], "operator_token": OPERATOR_TOKEN}  # /pd/engines in full: prompt tokens per engine
     if target == "colocated":
         args["prefill"] = {**args["prefill"], "num_replicas": 0}
         args["decode"] = {**args["decode"], "cpu_bind": ["0-1"], "engine_kwargs": step}
@@ -331,10 +356,13 @@ def run_target(target: str, rates: list[float], count: int, chunk: int, workdir:
         result["long_alone_ttft_s"] = [alone_ttft(port, r) for r in long_prompts_alone()]
         for rate in rates:
             requests = workload(rate, count, seed=int(rate * 1000))
+            prompts_before = prompt_tokens_by_role(port) if target in DISAGGREGATED else None
             outcomes, wall = asyncio.run(drive(port, requests))
             summary = summarize(outcomes, wall, span_s=requests[-1].at_s)
             errors = sorted({o.error for o in outcomes if o.error})[:3]
             result["rates"][rate] = {**summary, "errors": errors}
+            if prompts_before is not None:
+                result["rates"][rate]["handed_off"] = handed_off_share(prompts_before, prompt_tokens_by_role(port))
             print(
                 f"== {target} rate {rate}: goodput {summary['goodput_rps']:.2f}/s, attainment {summary['attainment']:.0%}, "
                 f"TTFT p90 {summary['ttft_p90_s'] * 1000:.0f} ms, ITL p99 {summary['itl_p99_s'] * 1000:.0f} ms, failed {summary['failed']}",
@@ -404,18 +432,59 @@ def report(results: dict[str, dict[str, Any]], rates: list[float], prefill_alone
             + ", ".join(f"{t} {knee_ratio(knees[t], knees['vllm'])}" for t in targets if t != "vllm")
             + " of vLLM's server; goal >= 1.30x)"
         )
-    dis = [t for t in results.get("disaggregated", {}).get("long_alone_ttft_s") or [] if t is not None]
-    if dis and prefill_alone_s:
-        ratio_alone = ratio(statistics.median(dis), statistics.median(prefill_alone_s))
+    lines += handoff_lines(results, rates) + lateness_lines(results, rates)
+    all_dis = results.get("disaggregated", {}).get("long_alone_ttft_s") or []
+    dis = [t for t in all_dis if t is not None]
+    alone = [t for t in prefill_alone_s if t is not None]
+    if dis and alone:
+        ratio_alone = ratio(statistics.median(dis), statistics.median(alone))
         lines += [
             "",
             f"A {LONG_IN}-token prompt alone ({len(dis)} one at a time, medians and ranges): disaggregated TTFT {timing(dis)}, "
-            f"the prefill engine's own prefill {timing(prefill_alone_s)} on the same core: {ratio_alone} (goal <= 1.10x)",
+            f"the prefill engine's own prefill {timing(alone)} on the same core: {ratio_alone} (goal <= 1.10x)",
         ]
+    lost = (len(all_dis) - len(dis), len(prefill_alone_s) - len(alone))
+    if any(lost):
+        lines.append(f"  failed, left out of those medians: {lost[0]} disaggregated, {lost[1]} of the prefill engine's own")
     lines += ["", "The idle host before / after each target (wake-up round trip µs, Python loop ms):"]
     for t in targets:
         lines.append("  " + t + ": " + " / ".join(f"{h['wakeup_us']:.0f} µs, {h['loop_ms']:.0f} ms" for h in results[t]["host_speed"]))
     return "\n".join(lines)
+
+
+def handoff_lines(results: dict[str, dict[str, Any]], rates: list[float]) -> list[str]:
+    """The share of prompt tokens the 1P1D targets' prefill engine computed, rate by rate, and a
+    warning where the disaggregated target's fell below 99% (prompts prefilled by the decode
+    engine while no prefill engine was healthy: not a disaggregated figure)."""
+    lines = []
+    for t in DISAGGREGATED:
+        shares = [(rate, results[t]["rates"][rate].get("handed_off")) for rate in rates if t in results]
+        if not any(share is not None for _, share in shares):
+            continue
+        if not lines:
+            lines += ["", "Prompt tokens the prefill engine computed (the rest, the decode engine's):"]
+        lines.append(f"  {t}: " + ", ".join(f"{rate:g}/s {share:.0%}" for rate, share in shares if share is not None))
+        low = [rate for rate, share in shares if t == "disaggregated" and share is not None and share < 0.99]
+        if low:
+            where = ", ".join(f"{r:g}/s" for r in low)
+            lines.append(f"  WARNING: {t} at {where}: prompts fell back to the decode engine; not disaggregated figures")
+    return lines
+
+
+def lateness_lines(results: dict[str, dict[str, Any]], rates: list[float]) -> list[str]:
+    """Where the client sent a request more than ``LATE_WARNING_S`` after its arrival time (it
+    shares the cores with the target: the rate it offered was then lower than its label)."""
+    late = [
+        (t, rate, s["send_late_max_s"])
+        for t in results
+        for rate in rates
+        if (s := results[t]["rates"].get(rate)) and s.get("send_late_max_s", 0.0) > LATE_WARNING_S
+    ]
+    if not late:
+        return []
+    return ["", "Sends later than their arrival time by more than 10 ms (the most late, per run):"] + [
+        f"  {t} {rate:g}/s: {seconds * 1000:.0f} ms" for t, rate, seconds in late
+    ]
 
 
 def knee_ratio(ours: tuple[float, bool], theirs: tuple[float, bool]) -> str:
@@ -463,7 +532,7 @@ def plot(results: dict[str, dict[str, Any]], rates: list[float], path: Path) -> 
     fig.savefig(path, dpi=100)
 
 
-def prefill_time_alone(chunk: int, workdir: Path) -> list[float]:
+def prefill_time_alone(chunk: int, workdir: Path) -> list[float | None]:
     """The prefill engine's own time for a long prompt: vLLM's server on the prefill engine's
     core with the prefill engine's arguments, TTFT of each long prompt alone."""
     import bench_serving
@@ -477,8 +546,7 @@ def prefill_time_alone(chunk: int, workdir: Path) -> list[float]:
     print("== the prefill engine's own prefill time: starting", file=sys.stderr)
     with started(cmd, env, workdir / "prefill-alone.log", f"http://127.0.0.1:{port}/health", REPO_ROOT):
         asyncio.run(drive(port, workload(2.0, 4, seed=99)))
-        times = [alone_ttft(port, r) for r in long_prompts_alone()]
-    return [t for t in times if t is not None]
+        return [alone_ttft(port, r) for r in long_prompts_alone()]  # None: failed (counted in the report)
 
 
 def alone_ttft(port: int, request: Request) -> float | None:
@@ -524,11 +592,12 @@ def main(argv: list[str]) -> int:
     rates = [1.0, 3.0] if args.quick else [float(r) for r in args.rates.split(",")]
     count = 12 if args.quick else args.requests
     OVERRIDES.update(parse_sets(args.set))
+    hold_to_cores()
     ensure_model()
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="pdgoodput-") as tmp:
         workdir = Path(tmp)
-        prefill_alone: list[float] = []
+        prefill_alone: list[float | None] = []
         try:
             for target in args.targets.split(","):
                 if target == "disaggregated":  # right before it: the host as the target will see it
@@ -549,7 +618,20 @@ def main(argv: list[str]) -> int:
         with contextlib.suppress(ImportError):
             plot(results, rates, args.plot)
     failed = sum(s["failed"] for r in results.values() for s in r["rates"].values())
+    failed += sum(t is None for t in prefill_alone) + sum(t is None for r in results.values() for t in r.get("long_alone_ttft_s") or [])
     return 1 if failed else 0
+
+
+def hold_to_cores() -> None:
+    """Every target on the same two cores: this process, and so every process it starts (the
+    targets' servers, Ray, the engines; pd-serve places its replicas within the cores it is
+    given), is held to ``CORES``. The engines' binding names those cores."""
+    usable = os.sched_getaffinity(0)
+    if not CORES <= usable:
+        raise SystemExit(f"bench_goodput needs cores {sorted(CORES)}; this process may use {sorted(usable)}")
+    if usable != CORES:
+        os.sched_setaffinity(0, CORES)
+        print(f"== every target on cores {sorted(CORES)} of the {len(usable)} this host gives", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 import bench_serving  # noqa: E402
+from bench_goodput import percentile  # noqa: E402
 from bench_serving import REPO_ROOT, base_env, parse_sets, started  # noqa: E402
 
 from serve_app.runtime.ports import free_port  # noqa: E402
@@ -93,8 +94,8 @@ def split_ttft(sent: Sent, log_text: str) -> dict[str, float] | None:
 def summary(splits: list[dict[str, float]]) -> str:
     lines = []
     for name in (*SEGMENTS, "TTFT"):
-        values = sorted(s[name] for s in splits)
-        p10, p90 = values[len(values) // 10], values[(9 * len(values)) // 10]
+        values = [s[name] for s in splits]
+        p10, p90 = percentile(values, 10), percentile(values, 90)
         lines.append(f"{name:42s} median {statistics.median(values):7.1f} ms   (p10 {p10:.1f}, p90 {p90:.1f})")
     return "\n".join(lines)
 

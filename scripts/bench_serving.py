@@ -75,6 +75,9 @@ RUN_DEFAULTS: dict[str, Any] = {"engine_kwargs.enable_prefix_caching": False}
 MOCK_DECODE_STEP_S = 0.0005
 MOCK_PREFILL_S_PER_TOKEN = 0.000001
 MOCK_PROMPTS_FACTOR = 2
+# The operator's token the benchmark's pd-serve apps get: /pd/engines in full, for each engine's
+# count of the prompt tokens it was given (handed_off_share).
+OPERATOR_TOKEN = "pd-bench-operator"
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,7 @@ def app_args(target: str) -> dict[str, Any]:
         # Fast enough that the router, not the engine, is what is measured.
         args["backend"] = "mock"
         args["mock"] = {"decode_step_s": MOCK_DECODE_STEP_S, "prefill_s_per_token": MOCK_PREFILL_S_PER_TOKEN}
+    args["router"] = {**args["router"], "operator_token": OPERATOR_TOKEN}
     return args
 
 
@@ -350,6 +354,31 @@ def pd_engines(port: int, operator_token: str, timeout_s: float = 30) -> dict[st
     return response.json()["engines"]
 
 
+def prompt_tokens_by_role(port: int) -> dict[str, int]:
+    """The prompt tokens every engine of each role has been given so far (its own count)."""
+    counts = {"prefill": 0, "decode": 0}
+    for engine in pd_engines(port, OPERATOR_TOKEN).values():
+        counts[engine["role"]] = counts.get(engine["role"], 0) + int(engine.get("prompt_tokens_total") or 0)
+    return counts
+
+
+def handed_off_share(before: dict[str, int], after: dict[str, int]) -> float | None:
+    """Of the prompt tokens decode engines were given between two counts, the share a prefill
+    engine computed: 1.0 where every prompt took the P/D hand-off; less where some were prefilled
+    by their decode engine (``router.local_prefill_*``, or the router falling back to colocated
+    with no healthy prefill engine, which would make a disaggregated figure a colocated one).
+    None where decode engines were given none."""
+    decode = after.get("decode", 0) - before.get("decode", 0)
+    return None if decode <= 0 else (after.get("prefill", 0) - before.get("prefill", 0)) / decode
+
+
+def short_outputs(result: dict[str, Any], output_len: int) -> int:
+    """Requests vLLM's client counted as completed whose output is shorter than asked (every run
+    here ignores EOS): its client counts a stream as a success once any chunk came, so a stream
+    cut off midway would otherwise pass as a complete one."""
+    return sum(1 for n in result.get("output_lens") or () if 0 < n < output_len)
+
+
 # ---------------------------------------------------------------------------- the client
 async def sse_events(response: Any) -> AsyncIterator[dict[str, Any]]:
     """Each JSON event of an OpenAI streaming response (an aiohttp response): the one reader of
@@ -407,7 +436,27 @@ def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
     chosen = dict(ordered[(len(ordered) - 1) // 2])
     chosen["result"] = {**chosen["result"], "failed": sum(int(run["result"].get("failed") or 0) for run in runs)}
     chosen["repetitions"] = [run["result"].get("output_throughput") for run in runs]
+    shares = [run["handed_off"] for run in runs if run.get("handed_off") is not None]
+    chosen["handed_off"] = min(shares) if shares else None  # the least of any repetition
     return chosen
+
+
+def fallback_warnings(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> list[str]:
+    """Where a target that disaggregates had prompts prefilled by their decode engine instead
+    (the router falls back to colocated while no prefill engine is healthy): its figures are then
+    partly a colocated app's."""
+    out = []
+    for target, result in results.items():
+        if "colocated" in target or target == "vllm":
+            continue
+        for w in workloads:
+            share = (result.get(w.name) or {}).get("handed_off")
+            if share is not None and share < 0.99:
+                out.append(
+                    f"WARNING: {target} {w.name}: a prefill engine computed only {share:.1%} of the prompt tokens in its least "
+                    "run; the rest were prefilled by their decode engine (no healthy prefill engine): not a disaggregated figure"
+                )
+    return out
 
 
 def merge_rounds(rounds: list[dict[str, dict[str, Any]]], workloads: list[Workload]) -> dict[str, dict[str, Any]]:
@@ -525,13 +574,23 @@ def run_target(target: str, workloads: list[Workload], workdir: Path, repo: Path
                 workload = dataclasses.replace(workload, prompts=workload.prompts * MOCK_PROMPTS_FACTOR)
             runs = []
             for _ in range(repeat):
+                prompts_before = prompt_tokens_by_role(port) if target != "vllm" else None
                 before = cpu_snapshot()
                 started_at = time.monotonic()
                 result = bench(port, workload, tokenizer, served)
                 wall = time.monotonic() - started_at
-                runs.append({"result": result, "cpu": cpu_by_kind(before, cpu_snapshot()), "wall_s": wall})
+                run = {"result": result, "cpu": cpu_by_kind(before, cpu_snapshot()), "wall_s": wall}
+                short = short_outputs(result, workload.output_len)
+                if short:  # failed, not completed (vLLM's client took them for complete)
+                    result["failed"] = int(result.get("failed") or 0) + short
+                    result["short_outputs"] = short
+                if prompts_before is not None:
+                    run["handed_off"] = handed_off_share(prompts_before, prompt_tokens_by_role(port))
+                runs.append(run)
+                share = run.get("handed_off")
                 print(
-                    f"== {target} {workload.name}: {result.get('output_throughput', 0):.0f} tok/s, failed {result.get('failed')}",
+                    f"== {target} {workload.name}: {result.get('output_throughput', 0):.0f} tok/s, failed {result.get('failed')}"
+                    + (f", prompt tokens prefilled by a prefill engine {share:.1%}" if share is not None else ""),
                     file=sys.stderr,
                 )
             results[workload.name] = runs
@@ -675,6 +734,14 @@ def report(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> str
                 f"{t}: TTFT via the router's handle {mock['router_ttft_p50_ms']:.2f} ms, direct to the decode engine "
                 f"{mock['direct_ttft_p50_ms']:.2f} ms: {what} adds {mock['router_added_ttft_p50_ms']:.2f} ms (p50)"
             )
+    shares = [(t, w.name, results[t].get(w.name, {}).get("handed_off")) for t in targets for w in workloads]
+    shares = [(t, w, share) for t, w, share in shares if share]
+    if shares:
+        lines += ["", "Prompt tokens a prefill engine computed (the least of any run; the rest, their decode engine's):"]
+        lines += [f"  {t:<20}{w:<8}{share:.1%}" for t, w, share in shares]
+    warnings = fallback_warnings(results, workloads)
+    if warnings:
+        lines += ["", *warnings]
     return "\n".join(lines)
 
 

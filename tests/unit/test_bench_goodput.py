@@ -220,3 +220,45 @@ def test_ttft_is_the_first_chunk_that_brings_tokens_text_or_not(goodput):
 
     outcome = asyncio.run(main())
     assert outcome.ok and outcome.ttft_s < 0.25 and outcome.first_chunk_tokens == 1
+
+
+def test_a_disaggregated_run_that_fell_back_to_colocated_and_late_sends_are_reported(goodput, tmp_path, capsys):
+    """The share of prompt tokens the prefill engine computed, per rate, for the 1P1D targets (the
+    conditional one's short prompts are its decode engine's by design); a disaggregated rate below
+    99% is flagged; a client that sent requests late (it shares the cores) is named."""
+    host = [{"wakeup_us": 40.0, "loop_ms": 30.0}] * 2
+    summary = {"requests": 1, "failed": 0, "ttft_p90_s": 0.2, "itl_p99_s": 0.02, "tpot_p90_s": 0.01}
+    summary |= {"short_ttft_p90_s": 0.1, "tokens_per_s": 1.0, "attainment": 1.0, "goodput_rps": 1.0, "send_late_max_s": 0.002}
+    targets = ("vllm", "disaggregated", "conditional")
+    results = {t: {"host_speed": host, "rates": {"4.0": dict(summary), "8.0": dict(summary)}} for t in targets}
+    results["disaggregated"]["rates"]["4.0"]["handed_off"] = 1.0
+    results["disaggregated"]["rates"]["8.0"]["handed_off"] = 0.75
+    results["conditional"]["rates"]["4.0"]["handed_off"] = results["conditional"]["rates"]["8.0"]["handed_off"] = 0.8
+    results["vllm"]["rates"]["8.0"]["send_late_max_s"] = 0.035
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"results": results}))
+    goodput.main(["--report", str(path)])
+    out = capsys.readouterr().out
+    assert "  disaggregated: 4/s 100%, 8/s 75%" in out and "  conditional: 4/s 80%, 8/s 80%" in out
+    (warning,) = [line for line in out.splitlines() if "WARNING" in line]
+    assert warning == "  WARNING: disaggregated at 8/s: prompts fell back to the decode engine; not disaggregated figures"
+    assert "  vllm 8/s: 35 ms" in out and "disaggregated 4/s:" not in out
+
+
+def test_a_send_is_timed_from_its_arrival_and_the_run_keeps_the_latest(goodput):
+    late = [goodput.Outcome(long=False, ok=True, ttft_s=0.1, e2e_s=1.0, tokens=goodput.OUT, late_s=s) for s in (0.001, 0.02, 0.0)]
+    assert goodput.summarize(late, wall_s=2.0, span_s=1.0)["send_late_max_s"] == 0.02
+
+
+def test_every_target_is_held_to_the_two_cores_its_engines_are_bound_to(goodput, monkeypatch):
+    held = []
+    monkeypatch.setattr(goodput.os, "sched_setaffinity", lambda pid, cores: held.append(set(cores)))
+    monkeypatch.setattr(goodput.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    goodput.hold_to_cores()
+    assert held == [{0, 1}]
+    monkeypatch.setattr(goodput.os, "sched_getaffinity", lambda pid: {0, 1})
+    goodput.hold_to_cores()
+    assert held == [{0, 1}]  # already there
+    monkeypatch.setattr(goodput.os, "sched_getaffinity", lambda pid: {2, 3})
+    with pytest.raises(SystemExit, match=r"needs cores \[0, 1\]"):
+        goodput.hold_to_cores()

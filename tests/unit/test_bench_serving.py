@@ -240,3 +240,32 @@ def test_a_serve_target_is_measured_once_every_engine_it_starts_with_has_joined(
     assert not bench.engines_joined("http://x", expected)
     listed["prefill-1"]["healthy"] = True
     assert bench.engines_joined("http://x", expected) and bench.engines_joined("http://x", {})
+
+
+def test_a_stream_cut_short_that_vllms_client_took_for_complete_is_counted_failed(bench):
+    """vLLM's client counts a stream as a success once any chunk came; every run here ignores EOS,
+    so an output shorter than asked is one that was cut off."""
+    assert bench.short_outputs({"output_lens": [64, 64, 12, 0, 64]}, 64) == 1  # (0: a failure it counted)
+    assert bench.short_outputs({"output_lens": [64] * 3}, 64) == 0 and bench.short_outputs({}, 64) == 0
+
+
+def test_a_disaggregated_figure_that_was_partly_colocated_is_flagged(bench):
+    """The router falls back to colocated while no prefill engine is healthy: the share of the
+    prompt tokens a prefill engine computed says whether a disaggregated run was one."""
+    assert bench.handed_off_share({"prefill": 100, "decode": 100}, {"prefill": 1100, "decode": 1100}) == 1.0
+    assert bench.handed_off_share({"prefill": 0, "decode": 0}, {"prefill": 600, "decode": 1000}) == 0.6
+    assert bench.handed_off_share({"decode": 5}, {"decode": 5}) is None  # nothing reached a decode engine
+    workloads = [bench.Workload("c=8", 8, 256, 64, 16)]
+    whole, partly = run(2000), run(1900)
+    whole["handed_off"], partly["handed_off"] = 1.0, 0.6
+    results = {
+        "vllm": {"c=8": bench.representative([run(4000)])},
+        "colocated": {"c=8": bench.representative([{**run(3000), "handed_off": 0.0}])},
+        "disaggregated": {"c=8": bench.representative([whole, partly])},
+    }
+    assert results["disaggregated"]["c=8"]["handed_off"] == 0.6  # the least of any repetition
+    (warning,) = bench.fallback_warnings(results, workloads)  # colocated's 0% is what it should be
+    assert warning.startswith("WARNING: disaggregated c=8: a prefill engine computed only 60.0%")
+    assert warning in bench.report(results, workloads)
+    results["disaggregated"]["c=8"] = bench.representative([whole])
+    assert bench.fallback_warnings(results, workloads) == [] and "WARNING" not in bench.report(results, workloads)
