@@ -178,6 +178,7 @@ class EngineServer:
         stats.prompt_tokens_total = self.prompt_tokens_total
         stats.prefix_hit_tokens_total = self.prefix_hit_tokens_total
         stats.kv_bytes_pushed_total = self.kv_bytes_pushed_total
+        stats.queued_prompt_tokens = self._prompt_tokens
         return stats
 
     def count_prompt(self, prompt_tokens: int, hit_tokens: int | None) -> None:

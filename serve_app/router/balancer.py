@@ -6,7 +6,9 @@ each engine last reported about itself (KV cache usage). Scores are integers, so
 drift the way float scores added and subtracted for every request do.
 
 Decode score: reserved tokens of this router + KV tokens the engine reports in use.
-Prefill score: prompt tokens queued by this router + requests the engine reports waiting.
+Prefill score: the prompt tokens in the engine's line, this router's or, where more, every
+router's as the engine last reported them (the larger of the two: the report lags this router's
+newest calls and holds the other router replicas' calls, which this router's counters never see).
 Ties rotate (the ``turn`` argument), so equal engines share work instead of index 0 taking all.
 """
 
@@ -29,6 +31,7 @@ class EngineLoad:
     kv_used_tokens: int = 0  # reported by the engine
     kv_capacity_tokens: int = 0  # reported by the engine
     num_waiting: int = 0  # reported by the engine
+    queued_prompt_tokens: int = 0  # reported by a prefill engine: its calls' prompt tokens, every router's
     healthy: bool = False  # until its first stats answer, or Serve lists it running (EnginePool.join)
     draining: bool = False  # Serve is stopping it: never chosen again
     # Calls to it failed (unreachable): not healthy again, whatever its stats say, until then
@@ -46,7 +49,7 @@ def decode_score(load: EngineLoad) -> int:
 
 
 def prefill_score(load: EngineLoad) -> int:
-    return load.reserved_tokens + load.num_waiting
+    return max(load.reserved_tokens, load.queued_prompt_tokens)
 
 
 def every_line_at_least(loads: Iterable[EngineLoad], tokens: int) -> bool:

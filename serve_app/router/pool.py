@@ -400,6 +400,7 @@ class EnginePool:
             load.kv_used_tokens = result.kv_used_tokens
             load.kv_capacity_tokens = result.kv_capacity_tokens
             load.num_waiting = result.num_waiting
+            load.queued_prompt_tokens = result.queued_prompt_tokens
             if self.audit is not None:
                 self.audit.check(name, load.inflight, result)
 

@@ -178,6 +178,9 @@ class EngineStats:
     prompt_tokens_total: int = 0
     prefix_hit_tokens_total: int = 0
     kv_bytes_pushed_total: int = 0
+    # A prefill engine's line: prompt tokens of the calls it holds, queued or computing, whichever
+    # router sent them (router/balancer.py's prefill score).
+    queued_prompt_tokens: int = 0
 
     @property
     def kv_used_tokens(self) -> int:

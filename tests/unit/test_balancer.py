@@ -29,11 +29,17 @@ def test_avoid_is_a_preference_not_a_ban():
     assert select(loads(("d0", 0, 0, True)), decode_score, avoid={"d0"}).name == "d0"
 
 
-def test_prefill_score_counts_queued_prompt_tokens_and_waiting():
+def test_prefill_score_is_the_prompt_tokens_in_the_engines_line_whichever_router_sent_them():
     a = EngineLoad(name="p0", role="prefill", reserved_tokens=1000, healthy=True)
     b = EngineLoad(name="p1", role="prefill", reserved_tokens=200, num_waiting=3, healthy=True)
-    assert prefill_score(b) == 203
-    assert select([a, b], prefill_score).name == "p1"
+    assert prefill_score(b) == 200 and select([a, b], prefill_score).name == "p1"
+    # Another router replica's 20 long prompts wait on p1: its report says so, in tokens (a count
+    # of waiting requests beside this router's tokens weighed 20 such prompts as 20 tokens).
+    b.num_waiting, b.queued_prompt_tokens = 20, 20 * 4096
+    assert prefill_score(b) == 81920 and select([a, b], prefill_score).name == "p0"
+    # The report lags this router's newest calls: its own count then stands.
+    a.queued_prompt_tokens = 300
+    assert prefill_score(a) == 1000
 
 
 def test_scores_are_integers():

@@ -443,3 +443,39 @@ def test_an_engines_call_failures_back_it_off_longer_only_while_none_goes_throug
         now[0] = load.call_backoff_until + 0.5
         backoff = backoff_after_failure()
     assert backoff == pool_module.CALL_BACKOFF_MAX_S
+
+
+def test_a_prefill_engine_whose_line_other_routers_filled_is_not_chosen_for_this_routers_shorter_one():
+    """Each router replica counts only its own calls; a prefill engine reports the prompt tokens
+    of every call it holds (its line, whoever sent them), and that is what the prefill score
+    weighs where it is more: 20 long prompts from other routers outweigh one of this router's."""
+    busy = EngineStats(name="prefill-0", role="prefill", num_waiting=20, queued_prompt_tokens=20 * 4096)
+    handle = SlowStatsHandle(answers={"prefill-r0": busy, "prefill-r1": EngineStats(name="prefill-1", role="prefill")})
+    pool = EnginePool({})
+    pool.attach("prefill", handle)
+    pool.update("prefill", infos("prefill", range(2)))
+    asyncio.run(pool.refresh())
+    pool.loads["prefill-1"].reserved_tokens = 4096  # this router's one long prompt, on the other engine
+    assert pool.loads["prefill-0"].queued_prompt_tokens == 20 * 4096
+    assert pool.pick("prefill").name == "prefill-1"
+
+
+def test_a_prefill_engine_reports_the_prompt_tokens_of_the_calls_it_holds(tiny_tokenizer):
+    """A prefill replica's line, in its stats (the prefill score's) and its autoscaling metric,
+    while a call is computing; nothing once it is done."""
+    from tests.support.inprocess import App, args, completion, run
+
+    prompt = list(range(20, 420))  # 400 tokens at 2.5 ms each: a second of prefill
+
+    async def body(app: App) -> None:
+        engine = app.engines["prefill-0"]
+        call = asyncio.create_task(completion(app, prompt, max_tokens=2))
+        deadline = time.monotonic() + 5
+        while (await engine.stats()).queued_prompt_tokens != len(prompt):
+            assert time.monotonic() < deadline and not call.done(), "the prefill engine never reported its call's prompt"
+            await asyncio.sleep(0.01)
+        assert (await engine.record_autoscaling_stats())[autoscaling.PROMPT_TOKENS] == len(prompt)
+        status, _ = await call
+        assert status == 200 and (await engine.stats()).queued_prompt_tokens == 0
+
+    run(body, args(mock={"decode_step_s": 0.001, "prefill_s_per_token": 0.0025}), tiny_tokenizer)
