@@ -172,20 +172,22 @@ class SLOPolicy:
         if not scale_down_below < 1:
             raise ValueError("SLOPolicy: targets > 0 and 0 < scale_down_below < 1")
         self.metric = TTFT_P90 if ttft_p90_s is not None else ITL_P90
-        self.reads = frozenset({self.metric})
+        self.reads = frozenset({self.metric, RUNNING, WAITING})
         self.target = target
         self.scale_down_below = scale_down_below
 
-    def desired(self, current: int, observed: Iterable[float]) -> float:
+    def desired(self, current: int, observed: Iterable[float], busy: bool = False) -> float:
         """``current`` scaled by the worst replica's p90 over the target: up at once when the
         target is missed, down only when every replica is well under it (latency does not fall in
         proportion to replicas removed, so a pool just under its target stays as it is), by at
-        least one replica (Serve rounds a count up: 2 x 0.8 would stay 2) and at most half."""
+        least one replica (Serve rounds a count up: 2 x 0.8 would stay 2) and at most half.
+        ``busy``: a replica holds requests. With no latency in the window that is not idle: a
+        prefill call longer than the window, or an engine that stalled, has none yet."""
         measured = [v for v in observed if v > 0]
         if current == 0:
             return 0.0
-        if not measured:  # nothing served in the window: idle, shrink towards min_replicas
-            return min(current * 0.5, current - 1.0)
+        if not measured:  # nothing finished in the window: idle (shrink towards min_replicas) unless busy
+            return float(current) if busy else min(current * 0.5, current - 1.0)
         ratio = max(measured) / self.target
         if ratio > 1.0:
             return current * ratio
@@ -211,7 +213,8 @@ class SLOPolicy:
                 # Grown: its own p90 starts now. (Shrunk: the p90 still covering the larger pool
                 # understates a miss, so nothing to wait for.)
                 state["slo_since"] = now
-        desired = self.desired(current, observed)
+        busy = any(v > 0 for name in (RUNNING, WAITING) for v in per_replica(ctx, name))
+        desired = self.desired(current, observed, busy)
         target = int(getattr(ctx, "target_num_replicas", current) or current)
         if desired > current and (current < target or now - state["slo_since"] < _settle_s(ctx)):
             # Replicas still starting, or a p90 that still covers the time before the pool grew

@@ -60,6 +60,13 @@ class LeakAudit:
         self._since: dict[str, float] = {}  # engine -> when its discrepancy started
         self._warned: set[str] = set()
 
+    def forget(self, name: str) -> None:
+        """An engine left the pool: its gauges at zero (a departed engine's last discrepancy would
+        otherwise show on the dashboard for good) and nothing kept of it."""
+        self._since.pop(name, None)
+        self._warned.discard(name)
+        self.report(name, Discrepancy(requests=0, kv_tokens=0))
+
     def check(self, name: str, router_inflight: int, stats: EngineStats) -> Discrepancy:
         found = discrepancy(router_inflight, stats, self.sole_router)
         self.report(name, found)

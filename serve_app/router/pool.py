@@ -210,6 +210,8 @@ class EnginePool:
         self.members.pop(name, None)
         self.loads.pop(name, None)
         self.reported.pop(name, None)
+        if self.audit is not None:
+            self.audit.forget(name)
         if self.prefix is not None:
             self.prefix.index.forget(name)
             self.prefix.recent.forget(name)

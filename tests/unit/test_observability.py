@@ -100,6 +100,16 @@ def test_the_audit_warns_once_when_a_discrepancy_persists_and_rearms_when_it_cle
     audit.check("decode-0", 0, stats(1))
     assert warnings() == 2
     assert reported[0] == ("decode-0", Discrepancy(1, 0)) and reported[4] == ("decode-0", Discrepancy(0, 0))
+    # The engine leaves mid-discrepancy: its gauges go to zero (not its last discrepancy, shown
+    # for good) and its clock is dropped, so an engine of that name later starts afresh.
+    audit.forget("decode-0")
+    assert reported[-1] == ("decode-0", Discrepancy(0, 0))
+    now[0] = 100.0
+    audit.check("decode-0", 0, stats(1))
+    now[0] = 105.0
+    audit.check("decode-0", 0, stats(1))
+    assert warnings() == 2
+
 
 
 # ---------------------------------------------------------------------------- in the running app

@@ -120,6 +120,18 @@ def test_the_slo_policy_does_not_compound_a_ratio_measured_before_its_last_scale
     assert decide(2, 2, 300.0) == 4.0
 
 
+def test_the_slo_policy_reads_a_pool_holding_requests_with_no_latency_yet_as_busy_not_idle():
+    """A replica records a latency when a call ends (prefill) or between two outputs (decode): a
+    prefill longer than the window, or a stalled engine, has none yet. Four such replicas,
+    each holding calls, are not an idle pool to halve; four holding nothing are."""
+    prefill = autoscaling.SLOPolicy(ttft_p90_s=0.5)
+    stalled = {autoscaling.TTFT_P90: [0.0] * 4, autoscaling.RUNNING: [1, 1, 0, 1], autoscaling.WAITING: [3, 0, 0, 0]}
+    assert prefill(ctx(stalled, current=4, target=4))[0] == 4.0
+    idle = {autoscaling.TTFT_P90: [0.0] * 4, autoscaling.RUNNING: [0] * 4, autoscaling.WAITING: [0] * 4}
+    assert prefill(ctx(idle, current=4, target=4))[0] == 2.0
+    assert autoscaling.RUNNING in prefill.reads and autoscaling.WAITING in prefill.reads
+
+
 def test_a_policy_is_what_serve_runs_from_the_config():
     """Serve's own AutoscalingConfig imports the policy and instantiates it with policy_kwargs."""
     from ray.serve._private.autoscaling_state import _resolve_policy_callable
@@ -479,3 +491,16 @@ def test_a_prefill_engine_reports_the_prompt_tokens_of_the_calls_it_holds(tiny_t
         assert status == 200 and (await engine.stats()).queued_prompt_tokens == 0
 
     run(body, args(mock={"decode_step_s": 0.001, "prefill_s_per_token": 0.0025}), tiny_tokenizer)
+
+
+def test_an_engine_leaving_the_pool_leaves_the_leak_audit_too():
+    from serve_app.router.leak_audit import LeakAudit
+
+    forgotten: list[str] = []
+    audit = LeakAudit(warn_after_s=10, sole_router=True)
+    audit.forget = forgotten.append  # type: ignore[method-assign]
+    pool = EnginePool({}, audit=audit)
+    pool.attach("decode", FakePoolHandle())
+    pool.update("decode", infos("decode", range(1)))
+    pool.update("decode", [])
+    assert forgotten == ["decode-0"]
