@@ -354,20 +354,28 @@ def pd_engines(port: int, operator_token: str, timeout_s: float = 30) -> dict[st
     return response.json()["engines"]
 
 
-def prompt_tokens_by_role(port: int) -> dict[str, int]:
-    """The prompt tokens every engine of each role has been given so far (its own count)."""
+def prompt_tokens_by_role(port: int) -> dict[str, int] | None:
+    """The prompt tokens every engine of each role has been given so far (its own count); None
+    where the router did not answer (the run's own figures still stand)."""
     counts = {"prefill": 0, "decode": 0}
-    for engine in pd_engines(port, OPERATOR_TOKEN).values():
+    try:
+        engines = pd_engines(port, OPERATOR_TOKEN)
+    except (requests.RequestException, ValueError, KeyError) as exc:
+        print(f"== /pd/engines did not answer ({exc!r}): no prefill share for this run", file=sys.stderr)
+        return None
+    for engine in engines.values():
         counts[engine["role"]] = counts.get(engine["role"], 0) + int(engine.get("prompt_tokens_total") or 0)
     return counts
 
 
-def handed_off_share(before: dict[str, int], after: dict[str, int]) -> float | None:
+def handed_off_share(before: dict[str, int] | None, after: dict[str, int] | None) -> float | None:
     """Of the prompt tokens decode engines were given between two counts, the share a prefill
     engine computed: 1.0 where every prompt took the P/D hand-off; less where some were prefilled
     by their decode engine (``router.local_prefill_*``, or the router falling back to colocated
     with no healthy prefill engine, which would make a disaggregated figure a colocated one).
-    None where decode engines were given none."""
+    None where decode engines were given none, or a count is missing."""
+    if before is None or after is None:
+        return None
     decode = after.get("decode", 0) - before.get("decode", 0)
     return None if decode <= 0 else (after.get("prefill", 0) - before.get("prefill", 0)) / decode
 
@@ -408,7 +416,9 @@ def vllm_client(port: int, served_name: str, tokenizer: str, argv: list[str]) ->
 
 
 def bench(port: int, workload: Workload, tokenizer: str, served_name: str) -> dict[str, Any]:
-    return vllm_client(
+    """One run of vLLM's client; of its per-request lists (``--save-detailed``) only the output
+    lengths are kept (``short_outputs``), and its distinct errors."""
+    result = vllm_client(
         port,
         served_name,
         tokenizer,
@@ -423,8 +433,13 @@ def bench(port: int, workload: Workload, tokenizer: str, served_name: str) -> di
             "--num-warmups", "2",
             "--seed", str(workload.seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--save-detailed",
         ],
     )  # fmt: skip
+    for key in ("input_lens", "start_times", "ttfts", "itls", "generated_texts"):
+        result.pop(key, None)
+    result["errors"] = sorted({error for error in result.get("errors") or () if error})[:5]
+    return result
 
 
 def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -454,7 +469,8 @@ def fallback_warnings(results: dict[str, dict[str, Any]], workloads: list[Worklo
             if share is not None and share < 0.99:
                 out.append(
                     f"WARNING: {target} {w.name}: a prefill engine computed only {share:.1%} of the prompt tokens in its least "
-                    "run; the rest were prefilled by their decode engine (no healthy prefill engine): not a disaggregated figure"
+                    "run; the rest were prefilled by their decode engine (router.local_prefill_*, or no healthy prefill "
+                    "engine): not a disaggregated figure"
                 )
     return out
 
@@ -735,7 +751,7 @@ def report(results: dict[str, dict[str, Any]], workloads: list[Workload]) -> str
                 f"{mock['direct_ttft_p50_ms']:.2f} ms: {what} adds {mock['router_added_ttft_p50_ms']:.2f} ms (p50)"
             )
     shares = [(t, w.name, results[t].get(w.name, {}).get("handed_off")) for t in targets for w in workloads]
-    shares = [(t, w, share) for t, w, share in shares if share]
+    shares = [(t, w, share) for t, w, share in shares if share is not None]
     if shares:
         lines += ["", "Prompt tokens a prefill engine computed (the least of any run; the rest, their decode engine's):"]
         lines += [f"  {t:<20}{w:<8}{share:.1%}" for t, w, share in shares]

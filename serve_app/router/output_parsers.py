@@ -1,5 +1,6 @@
 """vLLM's parsers of a model's reply format, loaded once per router replica: the tool-call parser
-that ``tool_choice: "auto"`` needs (``router.tool_call_parser``), and the reasoning parser that
+that ``tool_choice: "auto"`` needs (``router.tool_call_parser``; it reads a named or required
+choice's calls too where its format is not vLLM's JSON: router/tools.py), and the reasoning parser that
 splits a reasoning model's thinking from its answer (the decode engines' ``reasoning_parser``).
 
 Both are vLLM's own classes, composed by vLLM's ``ParserManager`` into one ``Parser`` as vLLM's

@@ -202,7 +202,8 @@ async def ended_by_an_error_event(
 
 def reply_parsers(config: AppConfig, tokenizer: Any) -> dict[str, Any]:
     """vLLM's parsers of the model's replies, as ModelContext takes them: the tool-call parser
-    (with the reasoning parser, if any, ahead of it) for tool_choice "auto", and the reasoning
+    (with the reasoning parser, if any, ahead of it) for tool_choice "auto", and for a named or
+    required choice where its format is not vLLM's JSON (router/tools.py), and the reasoning
     parser alone for every other chat reply."""
     reasoning, reasoning_plugin = config.reasoning_parser
     router = config.router

@@ -26,7 +26,7 @@ renders the tools into the prompt (as vLLM does) and answers in text.
 
 A parser whose format is not that JSON (vLLM 0.32's parsers of formats xgrammar knows, hermes
 among them, under ``VLLM_ENFORCE_STRICT_TOOL_CALLING``, on by default; XML formats such as
-qwen3_coder's in any version) serves a named or required choice the way vLLM's server does: the
+glm4_moe's in both versions) serves a named or required choice the way vLLM's server does: the
 parser's ``adjust_request`` holds the model to calls in its own format (a structural tag, where
 the parser has one) and the parser reads them, as an auto choice's (``ParsedCalls.forced``).
 """

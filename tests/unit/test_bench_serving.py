@@ -269,3 +269,30 @@ def test_a_disaggregated_figure_that_was_partly_colocated_is_flagged(bench):
     assert warning in bench.report(results, workloads)
     results["disaggregated"]["c=8"] = bench.representative([whole])
     assert bench.fallback_warnings(results, workloads) == [] and "WARNING" not in bench.report(results, workloads)
+
+
+def test_each_run_asks_vllms_client_for_the_output_lengths_and_keeps_little_else(bench, monkeypatch):
+    """vLLM's client returns its per-request lists only with --save-detailed: without them the
+    check of short outputs had nothing to read. Of those lists only the lengths are kept."""
+    seen = []
+
+    def client(port, served, tokenizer, argv):
+        seen.append(argv)
+        return {"output_lens": [64, 3], "ttfts": [0.1, 0.2], "itls": [[0.01]], "generated_texts": ["a", "b"], "errors": ["", "cut", "cut"]}
+
+    monkeypatch.setattr(bench, "vllm_client", client)
+    result = bench.bench(1, bench.Workload("c=8", 8, 256, 64, 2), "tok", "m")
+    assert "--save-detailed" in seen[0] and result == {"output_lens": [64, 3], "errors": ["cut"]}
+    assert bench.short_outputs(result, 64) == 1
+
+
+def test_a_router_that_does_not_answer_leaves_the_share_unknown_not_the_run_failed(bench):
+    from serve_app.runtime.ports import free_port
+
+    assert bench.prompt_tokens_by_role(free_port()) is None  # nothing listens there
+    assert bench.handed_off_share(None, {"prefill": 1, "decode": 1}) is None
+    workloads = [bench.Workload("c=8", 8, 256, 64, 16)]
+    nothing = {**run(1000), "handed_off": 0.0}  # a disaggregated run no prefill engine served: shown
+    results = {"vllm": {"c=8": bench.representative([run(2000)])}, "disaggregated": {"c=8": bench.representative([nothing])}}
+    table = bench.report(results, workloads)
+    assert "  disaggregated       c=8     0.0%" in table and "WARNING: disaggregated c=8" in table

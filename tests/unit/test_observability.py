@@ -109,6 +109,9 @@ def test_the_audit_warns_once_when_a_discrepancy_persists_and_rearms_when_it_cle
     now[0] = 105.0
     audit.check("decode-0", 0, stats(1))
     assert warnings() == 2
+    now[0] = 110.5  # its own clock, from 100: a new warning (the old episode's was dropped too)
+    audit.check("decode-0", 0, stats(1))
+    assert warnings() == 3
 
 
 
