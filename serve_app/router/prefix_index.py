@@ -100,10 +100,11 @@ def engine_salt(name: str) -> int:
 class PrefixIndex:
     """key -> engines expected to hold it; per engine, its keys in least-recently-used order.
 
-    The engines holding a key are a bit mask over engine numbers, not a set of names: a key
-    costs the index one int, which the garbage collector never scans (a set per key would make
-    its passes over a large index the routing's main cost), and narrowing a prompt's holders
-    block by block is one ``&``."""
+    The engines holding a key are a bit mask over engine numbers, not a set of names: a key's
+    holders cost the index one int, which the garbage collector never scans (a set per key would
+    make its passes over a large index the routing's main cost), and narrowing a prompt's holders
+    block by block is one ``&``. With each engine's recency order, 130-160 bytes per key and
+    engine in all (docs/design.md, "Cost")."""
 
     def __init__(self) -> None:
         self.holders: dict[int, int] = {}  # key -> mask of engine bits
