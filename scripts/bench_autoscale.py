@@ -331,7 +331,23 @@ def main(argv: list[str]) -> int:
     if args.out:
         args.out.write_text(json.dumps({"results": results, "table": table}, indent=2, default=str))
     lost, differ = verdict(results, phases)
-    return 1 if lost or differ else 0
+    unscaled = never_scaled(results)
+    for line in unscaled:
+        print(line, file=sys.stderr)
+    return 1 if lost or differ or unscaled else 0
+
+
+def never_scaled(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The autoscaled app's decode pool must have grown and shrunk: else nothing moved, and
+    "nothing lost while scaling" was never put to the test."""
+    scaling = (results.get("autoscaled") or {}).get("scaling", {}).get("decode")
+    if scaling is None:
+        return []
+    return [
+        f"the autoscaled decode pool {what} within the run: scaling was not tested"
+        for key, what in (("up_after_s", "never took a second engine"), ("down_after_s", "never went back to one"))
+        if scaling.get(key) is None
+    ]
 
 
 if __name__ == "__main__":

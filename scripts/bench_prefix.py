@@ -42,13 +42,25 @@ import yaml
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
-from bench_serving import REPO_ROOT, VENV_BIN, base_env, host_speed, pd_engines, sse_events, started, vllm_client  # noqa: E402
+from bench_serving import (  # noqa: E402
+    REPO_ROOT,
+    VENV_BIN,
+    base_env,
+    handed_off_share,
+    host_speed,
+    pd_engines,
+    short_outputs,
+    sse_events,
+    started,
+    vllm_client,
+)
 
 from serve_app.runtime.ports import free_port  # noqa: E402
 
 SERVED_NAME = "tiny-llama"
 OPERATOR_TOKEN = "bench-prefix-operator-token"
 GOALS = {"hit_share": 0.9, "imbalance": 1.3}
+PREFIX_REPETITION_OUTPUT_LEN = 32
 
 
 # ---------------------------------------------------------------------------- apps
@@ -73,12 +85,35 @@ def engine_counts(port: int) -> dict[str, dict[str, Any]]:
     return {
         name: {
             "role": e["role"],
+            "replica": e.get("replica"),
+            "healthy": e.get("healthy"),
             "prompt": e["prompt_tokens_total"] or 0,
             "hits": e["prefix_hit_tokens_total"] or 0,
             "pushed": e["kv_bytes_pushed_total"] or 0,
         }
         for name, e in pd_engines(port, OPERATOR_TOKEN).items()
     }
+
+
+def engines_changed(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> list[str]:
+    """Why the counts of a run cannot be compared (empty: they can): the engines after the run
+    must be the ones before it (the same names and Serve replicas, all healthy), since a
+    replacement of an engine comes back under its name with its counts at zero, and one that
+    left drops out of the sums; and every prompt a decode engine was given must have been
+    computed by a prefill engine (the router prefills on the decode engine while no prefill
+    engine is healthy, which would make the hit rates a colocated app's)."""
+    problems = []
+    if {n: e.get("replica") for n, e in before.items()} != {n: e.get("replica") for n, e in after.items()}:
+        problems.append(f"the engines changed during the run: {sorted(before)} -> {sorted(after)}")
+    problems += [f"{n} is not healthy after the run" for n, e in after.items() if not e.get("healthy")]
+    counts = {
+        moment: {role: sum(e["prompt"] for e in engines.values() if e["role"] == role) for role in ("prefill", "decode")}
+        for moment, engines in (("before", before), ("after", after))
+    }
+    share = handed_off_share(counts["before"], counts["after"])
+    if any(e["role"] == "prefill" for e in after.values()) and share is not None and share < 0.99:
+        problems.append(f"a prefill engine computed only {share:.1%} of the prompt tokens (the rest fell back to the decode engines)")
+    return problems
 
 
 def summarize_engines(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -112,7 +147,7 @@ def prefix_repetition(port: int, quick: bool) -> dict[str, Any]:
             "--prefix-repetition-prefix-len", "512",
             "--prefix-repetition-suffix-len", "64",
             "--prefix-repetition-num-prefixes", "32",
-            "--prefix-repetition-output-len", "32",
+            "--prefix-repetition-output-len", str(PREFIX_REPETITION_OUTPUT_LEN),
             "--num-prompts", "64" if quick else "192",
             "--max-concurrency", "8",
             "--ignore-eos",
@@ -120,6 +155,7 @@ def prefix_repetition(port: int, quick: bool) -> dict[str, Any]:
             "--seed", "0",
             "--percentile-metrics", "ttft,tpot,e2el",
             "--metric-percentiles", "50,90",
+            "--save-detailed",  # the output lengths: a stream cut off counts as failed (short_outputs)
         ],
     )  # fmt: skip
     return {
@@ -127,7 +163,7 @@ def prefix_repetition(port: int, quick: bool) -> dict[str, Any]:
         "ttft_p90_ms": result["p90_ttft_ms"],
         "output_tokens_per_s": result["output_throughput"],
         "completed": result["completed"],
-        "failed": result.get("failed", 0),
+        "failed": int(result.get("failed") or 0) + short_outputs(result, PREFIX_REPETITION_OUTPUT_LEN),
     }
 
 
@@ -227,7 +263,10 @@ def run_policy(policy: str, workload: str, quick: bool, workdir: Path) -> dict[s
         client = WORKLOADS[workload](port, quick)
         time.sleep(1.5)  # the router's next stats poll carries the engines' last counts
         after = engine_counts(port)
-    return {**client, **summarize_engines(before, after), "host_speed": host_speed()}
+    problems = engines_changed(before, after)
+    for problem in problems:
+        print(f"== {policy} / {workload}: {problem}", file=sys.stderr)
+    return {**client, **summarize_engines(before, after), "host_speed": host_speed(), "problems": problems}
 
 
 # ---------------------------------------------------------------------------- the router's own cost
@@ -337,7 +376,10 @@ def main(argv: list[str]) -> int:
     failed = sum(r.get("failed", 0) for per_policy in results.values() for r in per_policy.values())
     if failed:
         print(f"{failed} requests failed: the figures above are not a clean run", file=sys.stderr)
-    return 1 if failed else 0
+    problems = [(p, w, problem) for w, per_policy in results.items() for p, r in per_policy.items() for problem in r.get("problems") or ()]
+    for policy, workload, problem in problems:
+        print(f"{policy} / {workload}: {problem}: its figures are not comparable", file=sys.stderr)
+    return 1 if failed or problems else 0
 
 
 if __name__ == "__main__":

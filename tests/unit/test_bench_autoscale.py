@@ -90,3 +90,14 @@ def test_the_verdict_counts_lost_requests_and_outputs_missing_or_unequal(bench):
     }
     assert bench.verdict(results, phases) == (1, 2)  # the empty pair (a lost request) and [6] != [5]
     assert bench.verdict({"static": results["static"]}, phases) == (1, None)
+
+
+def test_a_run_whose_decode_pool_never_scaled_is_not_a_pass(bench):
+    """Nothing lost proves nothing where nothing moved: a pool that never grew or never shrank
+    back is named, and the run exits non-zero."""
+    scaled = {"up_after_s": 60.0, "down_after_s": 24.0}
+    assert bench.never_scaled({"autoscaled": {"scaling": {"decode": scaled}}}) == []
+    assert bench.never_scaled({"static": {}}) == []  # the autoscaled app did not run
+    (line,) = bench.never_scaled({"autoscaled": {"scaling": {"decode": {**scaled, "down_after_s": None}}}})
+    assert line == "the autoscaled decode pool never went back to one within the run: scaling was not tested"
+    assert len(bench.never_scaled({"autoscaled": {"scaling": {"decode": {"up_after_s": None, "down_after_s": None}}}})) == 2

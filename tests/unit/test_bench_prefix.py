@@ -104,3 +104,29 @@ def test_a_run_with_failed_requests_exits_non_zero(prefix, monkeypatch, capsys):
         monkeypatch.setattr(prefix, "run_policy", lambda policy, workload, quick, workdir, results=results: results[workload]["prefix"])
         assert prefix.main(["--policies", "prefix", "--quick"]) == code
     assert "requests failed: the figures above are not a clean run" in capsys.readouterr().err
+
+
+def test_a_run_whose_engines_changed_or_fell_back_to_colocated_is_not_comparable(prefix, monkeypatch, capsys):
+    """A replaced engine comes back under its name with its counts at zero, and one that left
+    drops out of the sums; prompts the decode engines prefilled themselves (no healthy prefill
+    engine) make a disaggregated app's hit rates a colocated one's. Each is named, and the run
+    exits non-zero."""
+
+    def engine(role, replica, prompt, healthy=True):
+        return {"role": role, "replica": replica, "healthy": healthy, "prompt": prompt, "hits": 0, "pushed": 0}
+
+    before = {"prefill-0": engine("prefill", "p", 100), "decode-0": engine("decode", "d", 100)}
+    assert prefix.engines_changed(before, {"prefill-0": engine("prefill", "p", 1100), "decode-0": engine("decode", "d", 1100)}) == []
+    replaced = {"prefill-0": engine("prefill", "p2", 300), "decode-0": engine("decode", "d", 1100)}
+    assert prefix.engines_changed(before, replaced)[0].startswith("the engines changed during the run")
+    fell_back = {"prefill-0": engine("prefill", "p", 600, healthy=False), "decode-0": engine("decode", "d", 1100)}
+    assert prefix.engines_changed(before, fell_back) == [
+        "prefill-0 is not healthy after the run",
+        "a prefill engine computed only 50.0% of the prompt tokens (the rest fell back to the decode engines)",
+    ]
+    results = {"prefix_repetition": {"prefix": {"failed": 0, "problems": ["the engines changed during the run: x"]}}}
+    monkeypatch.setattr(prefix, "routing_cost", lambda: {})
+    monkeypatch.setattr(prefix, "report", lambda results, cost: "table")
+    monkeypatch.setattr(prefix, "run_policy", lambda policy, workload, quick, workdir: results["prefix_repetition"]["prefix"])
+    assert prefix.main(["--policies", "prefix", "--quick"]) == 1
+    assert "prefix / prefix_repetition: the engines changed during the run: x: its figures are not comparable" in capsys.readouterr().err
