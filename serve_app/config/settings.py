@@ -523,6 +523,9 @@ class AppConfig(_Strict):
                 raise ValueError(f"{where}.{key} is set by pd-serve itself ({APP_ENGINE_KWARGS[key]})")
             for key in UNSUPPORTED_ENGINE_KWARGS & kwargs.keys():
                 raise ValueError(f"{where}.{key} is not supported: {UNSUPPORTED_ENGINE_KWARGS[key]}")
+            for (key, value), why in UNSUPPORTED_ENGINE_VALUES.items():
+                if kwargs.get(key) == value:
+                    raise ValueError(f"{where}.{key} {value!r} is not supported: {why}")
         if self.has_prefill():
             why = dict.fromkeys(KV_LAYOUT_KWARGS, "prefill writes its KV blocks into decode's as they are")
             why.update(dict.fromkeys(MODEL_KWARGS, "decode continues from the KV prefill computed, so both must run one model"))
@@ -786,8 +789,6 @@ class AppConfig(_Strict):
         revision = kwargs.get("tokenizer_revision") or kwargs.get("revision")
         if revision:
             options["revision"] = revision
-        if kwargs.get("tokenizer_mode") == "slow":
-            options["use_fast"] = False
         return str(kwargs.get("tokenizer") or self.model), options
 
     @property
@@ -866,6 +867,13 @@ UNSUPPORTED_ENGINE_KWARGS = {
         "autoscaling_config instead"
     )
     for key in ("max_num_queued_reqs", "max_num_queued_tokens")
+}
+# Engine argument values the router cannot follow, and why.
+UNSUPPORTED_ENGINE_VALUES = {
+    ("tokenizer_mode", "slow"): (
+        "the router detokenizes every stream with the tokenizers library's incremental decoder, which a slow "
+        "(Python) tokenizer does not have: every request would fail; use tokenizer_mode auto (vLLM's default)"
+    ),
 }
 # What decides the bytes of a KV block: prefill's and decode's must match.
 KV_LAYOUT_KWARGS = ("block_size", "dtype", "kv_cache_dtype")

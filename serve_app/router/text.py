@@ -232,7 +232,10 @@ def priming_ids(backend: Any, prompt_token_ids: list[int], skip_special_tokens: 
     to whole characters (no U+FFFD: it does not begin inside a multi-byte character) and to some
     text (a suffix of skipped special tokens decodes to none, and a decoder that strips the
     text's start, as Llama 2's does, would then strip the first output token's leading space,
-    which the whole prompt keeps); the whole prompt if none up to ``PRIMING_MAX_TOKENS`` does."""
+    which the whole prompt keeps); the whole prompt if none up to ``PRIMING_MAX_TOKENS`` does.
+    (Not quite the whole prompt's decoding where a token-id prompt holds an invalid byte run
+    before the suffix: vLLM's stream then spills that text into the first output, this does not:
+    docs/design.md.)"""
     ids = list(prompt_token_ids)
     for n in range(PRIMING_MIN_TOKENS, min(len(ids), PRIMING_MAX_TOKENS) + 1):
         suffix = ids[-n:]

@@ -148,9 +148,19 @@ def test_the_router_loads_the_engines_tokenizer():
     config = load_config({"engine_kwargs": {"tokenizer": "/models/tok", "revision": "abc", "trust_remote_code": True}})
     assert config.tokenizer_source == ("/models/tok", {"trust_remote_code": True, "revision": "abc"})
     assert config.model_config_source == (config.model, {"trust_remote_code": True, "revision": "abc"})
-    config = load_config({"engine_kwargs": {"revision": "abc", "tokenizer_revision": "def", "tokenizer_mode": "slow"}})
-    assert config.tokenizer_source == (config.model, {"trust_remote_code": False, "revision": "def", "use_fast": False})
+    config = load_config({"engine_kwargs": {"revision": "abc", "tokenizer_revision": "def"}})
+    assert config.tokenizer_source == (config.model, {"trust_remote_code": False, "revision": "def"})
     assert load_config({}).tokenizer_source == (load_config({}).model, {"trust_remote_code": False})
+
+
+def test_a_slow_tokenizer_is_refused_at_load_not_on_every_request():
+    """vLLM 0.23 (Ascend) takes tokenizer_mode slow; the router's stream detokenizer needs a fast
+    tokenizer (a slow one made every generation a 500): refused where it is set."""
+    slow = {"engine_kwargs": {"tokenizer_mode": "slow"}}
+    for args, where in ((slow, "engine_kwargs"), ({"decode": slow}, "decode"), ({"prefill": slow}, "prefill")):
+        with pytest.raises(ConfigError, match=rf"{where}.*tokenizer_mode 'slow' is not supported: the router detokenizes"):
+            load_config(args)
+    assert load_config({"engine_kwargs": {"tokenizer_mode": "auto"}}).engine_kwargs["tokenizer_mode"] == "auto"
 
 
 def test_build_service_loads_the_tokenizer_and_config_as_the_engines_do(monkeypatch):
