@@ -82,6 +82,7 @@ import yaml
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 from bench_serving import (  # noqa: E402
+    HANDED_OFF_MIN,
     OPERATOR_TOKEN,
     REPO_ROOT,
     VENV_BIN,
@@ -464,7 +465,7 @@ def handoff_lines(results: dict[str, dict[str, Any]], rates: list[float]) -> lis
         if not lines:
             lines += ["", "Prompt tokens the prefill engine computed (the rest, the decode engine's):"]
         lines.append(f"  {t}: " + ", ".join(f"{rate:g}/s {share:.0%}" for rate, share in shares if share is not None))
-        low = [rate for rate, share in shares if t == "disaggregated" and share is not None and share < 0.99]
+        low = [rate for rate, share in shares if t == "disaggregated" and share is not None and share < HANDED_OFF_MIN]
         if low:
             where = ", ".join(f"{r:g}/s" for r in low)
             lines.append(f"  WARNING: {t} at {where}: prompts fell back to the decode engine; not disaggregated figures")

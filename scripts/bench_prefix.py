@@ -43,6 +43,7 @@ import yaml
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 from bench_serving import (  # noqa: E402
+    HANDED_OFF_MIN,
     REPO_ROOT,
     VENV_BIN,
     base_env,
@@ -111,7 +112,7 @@ def engines_changed(before: dict[str, dict[str, Any]], after: dict[str, dict[str
         for moment, engines in (("before", before), ("after", after))
     }
     share = handed_off_share(counts["before"], counts["after"])
-    if any(e["role"] == "prefill" for e in after.values()) and share is not None and share < 0.99:
+    if any(e["role"] == "prefill" for e in after.values()) and share is not None and share < HANDED_OFF_MIN:
         problems.append(f"a prefill engine computed only {share:.1%} of the prompt tokens (the rest fell back to the decode engines)")
     return problems
 

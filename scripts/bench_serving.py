@@ -78,6 +78,9 @@ MOCK_PROMPTS_FACTOR = 2
 # The operator's token the benchmark's pd-serve apps get: /pd/engines in full, for each engine's
 # count of the prompt tokens it was given (handed_off_share).
 OPERATOR_TOKEN = "pd-bench-operator"
+# A disaggregated run in which a prefill engine computed less of the prompt tokens than this is
+# flagged: the rest were prefilled by decode engines (handed_off_share).
+HANDED_OFF_MIN = 0.99
 
 
 @dataclass(frozen=True)
@@ -466,7 +469,7 @@ def fallback_warnings(results: dict[str, dict[str, Any]], workloads: list[Worklo
             continue
         for w in workloads:
             share = (result.get(w.name) or {}).get("handed_off")
-            if share is not None and share < 0.99:
+            if share is not None and share < HANDED_OFF_MIN:
                 out.append(
                     f"WARNING: {target} {w.name}: a prefill engine computed only {share:.1%} of the prompt tokens in its least "
                     "run; the rest were prefilled by their decode engine (router.local_prefill_*, or no healthy prefill "

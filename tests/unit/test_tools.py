@@ -213,11 +213,8 @@ def test_a_required_reply_cut_short_has_no_calls_and_no_text(tiny_tokenizer):
 # ---------------------------------------------------------------- tool_choice "auto", with a parser
 
 @pytest.fixture
-def auto_ctx(tiny_tokenizer):
-    parser = load_parser(tiny_tokenizer, tool="hermes")
-    return ModelContext(
-        name="tiny-llama", aliases=frozenset(), max_model_len=512, vocab_size=1024, tokenizer=tiny_tokenizer, tool_parser=parser
-    )
+def auto_ctx(ctx, tiny_tokenizer):
+    return dataclasses.replace(ctx, tool_parser=load_parser(tiny_tokenizer, tool="hermes"))
 
 
 def test_auto_is_served_with_a_tool_call_parser_as_vllms_server_adjusts_it(auto_ctx):
@@ -250,7 +247,7 @@ def test_auto_is_served_with_a_tool_call_parser_as_vllms_server_adjusts_it(auto_
 
 
 @pytest.fixture
-def native_ctx(tiny_tokenizer, tmp_path):
+def native_ctx(ctx, tiny_tokenizer, tmp_path):
     """hermes as vLLM 0.32 has it (a format xgrammar knows): a named or required choice is
     served in the model's own format, not vLLM's JSON. A subclass says so on any vLLM version."""
     plugin = tmp_path / "pd_native_tool_parser.py"
@@ -260,10 +257,7 @@ def native_ctx(tiny_tokenizer, tmp_path):
         "ToolParserManager.register_module('pd_native_calls', module=type('PdNativeCalls', (Hermes2ProToolParser,), "
         "{'supports_required_and_named': False}))\n"
     )
-    parser = load_parser(tiny_tokenizer, tool="pd_native_calls", tool_plugin=str(plugin))
-    return ModelContext(
-        name="tiny-llama", aliases=frozenset(), max_model_len=512, vocab_size=1024, tokenizer=tiny_tokenizer, tool_parser=parser
-    )
+    return dataclasses.replace(ctx, tool_parser=load_parser(tiny_tokenizer, tool="pd_native_calls", tool_plugin=str(plugin)))
 
 
 def test_a_parser_that_is_not_vllms_json_serves_named_and_required_choices_in_its_own_format(native_ctx, auto_ctx, tiny_tokenizer):
